@@ -1,0 +1,3 @@
+"""fusegen: compile Transformers models into static, fused model files."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from fusegen.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""Stages 3-5 for one class: trace, match, and rewrite its source.
+
+Each plan is tried on a copy of the class; a plan that any rule refuses is
+recorded with its reason and the class keeps its original projections.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+
+from torch import nn
+
+from fusegen import astutil
+from fusegen.match import find_groups
+from fusegen.plan import ClassOutcome, Refusal, Refused
+from fusegen.rewrite_forward import rewrite_forward
+from fusegen.rewrite_init import check_no_other_uses, rewrite_init
+from fusegen.trace import trace_module
+
+
+def analyse_class(cls: type, instance: nn.Module, namespace: dict) -> tuple[ClassOutcome, ast.ClassDef | None]:
+    """The outcome for `cls`, and its rewritten class statement if anything was fused."""
+    trace = trace_module(instance)
+    outcome = ClassOutcome(cls.__name__, trace_error=trace.error)
+    plans = find_groups(trace.graph, instance)
+    if not plans:
+        return outcome, None
+    try:
+        classdef = _fusable_source(cls)
+    except Refused as refusal:
+        outcome.refused = [Refusal(plan.projections, refusal.rule, refusal.reason, refusal.line) for plan in plans]
+        return outcome, None
+    taken = {name for name, _ in instance.named_children()} | {
+        node.attr for node in ast.walk(classdef) if astutil.self_attr(node)
+    }
+    for plan in plans:
+        candidate = copy.deepcopy(classdef)
+        try:
+            if plan.merged in taken:
+                raise Refused("name-clash", f"the class already uses the name {plan.merged}")
+            check_no_other_uses(candidate, plan)
+            rewrite_init(astutil.method(candidate, "__init__"), plan, namespace)
+            rewrite_forward(astutil.method(candidate, "forward"), plan, instance, namespace)
+        except Refused as refusal:
+            outcome.refused.append(Refusal(plan.projections, refusal.rule, refusal.reason, refusal.line))
+            continue
+        classdef = candidate
+        taken.add(plan.merged)
+        outcome.fused.append(plan)
+    return outcome, (classdef if outcome.fused else None)
+
+
+def _fusable_source(cls: type) -> ast.ClassDef:
+    """The class statement, if its `__init__` and `forward` can be rewritten at all."""
+    classdef = astutil.parse_class(cls)
+    for name in ("__init__", "forward"):
+        if astutil.method(classdef, name) is None:
+            raise Refused("inherited-method", f"{cls.__name__} inherits {name} instead of defining it")
+    forward = inspect.unwrap(cls.forward)
+    if forward.__code__.co_freevars:
+        raise Refused("closure", f"{cls.__name__}.forward is a closure over {', '.join(forward.__code__.co_freevars)}")
+    for node in ast.walk(classdef):
+        name = getattr(node, "attr", None) or getattr(node, "id", None)
+        if isinstance(name, str) and name.startswith("__") and not name.endswith("__"):
+            raise Refused("name-mangled", f"{cls.__name__} uses the name-mangled name {name}", node)
+    return classdef

@@ -1,0 +1,150 @@
+"""AST plumbing shared by the rewrite stages. Pure functions over `ast` nodes."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+from fusegen.plan import Refused
+
+LOOPS_AND_SCOPES = (
+    ast.For,
+    ast.AsyncFor,
+    ast.While,
+    ast.Lambda,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.ListComp,
+    ast.SetComp,
+    ast.DictComp,
+    ast.GeneratorExp,
+)
+"""Constructs inside which a call may run more or less than once per forward."""
+
+
+def parse_class(cls: type) -> ast.ClassDef:
+    """The class statement of `cls`, with line numbers of its source file.
+
+    Only classes defined at module level are accepted: a nested class closes
+    over names of its enclosing function, which a copy at module level would
+    not see.
+    """
+    if cls.__qualname__ != cls.__name__:
+        raise Refused("not-module-level", f"{cls.__qualname__} is not defined at module level")
+    try:
+        lines, first_line = inspect.getsourcelines(cls)
+    except (OSError, TypeError) as exc:
+        raise Refused("no-source", f"the source of {cls.__name__} cannot be recovered ({exc})") from exc
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    classdef = tree.body[0]
+    if not isinstance(classdef, ast.ClassDef):
+        raise Refused("no-source", f"the source of {cls.__name__} is not a plain class statement")
+    ast.increment_lineno(classdef, first_line - 1)
+    return classdef
+
+
+def method(classdef: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    """The method `name` defined in the class body itself (not inherited)."""
+    for stmt in classdef.body:
+        if isinstance(stmt, ast.FunctionDef) and stmt.name == name:
+            return stmt
+    return None
+
+
+def self_attr(node: ast.AST, name: str | None = None) -> bool:
+    """Is `node` `self.<name>` (any attribute when `name` is None)?"""
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and (name is None or node.attr == name)
+    )
+
+
+def self_refs(tree: ast.AST, name: str) -> list[ast.Attribute]:
+    """Every `self.<name>` expression under `tree`, in source order."""
+    return [node for node in ast.walk(tree) if self_attr(node, name)]
+
+
+def same_expr(a: ast.AST, b: ast.AST) -> bool:
+    """Are `a` and `b` the same expression, spelled the same way?"""
+    return ast.dump(a, include_attributes=False) == ast.dump(b, include_attributes=False)
+
+
+def loaded_names(node: ast.AST) -> set[str]:
+    """Names read anywhere under `node`."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def all_names(node: ast.AST) -> set[str]:
+    """Every identifier bound or read under `node`, so new ones can avoid them."""
+    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    names |= {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
+    return names
+
+
+def fresh_name(base: str, taken: set[str]) -> str:
+    """`base`, or `base_2`, `base_3`, ... whichever is not in `taken`."""
+    name, counter = base, 1
+    while name in taken:
+        counter += 1
+        name = f"{base}_{counter}"
+    return name
+
+
+def parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    """Map each node under `tree` to its parent."""
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def replace_node(tree: ast.AST, old: ast.AST, new: ast.AST) -> None:
+    """Replace `old` (by identity) with `new` wherever it sits under `tree`."""
+    for node in ast.walk(tree):
+        for field, value in ast.iter_fields(node):
+            if value is old:
+                setattr(node, field, new)
+                return
+            if isinstance(value, list):
+                for index, item in enumerate(value):
+                    if item is old:
+                        value[index] = new
+                        return
+    raise ValueError("node to replace not found")
+
+
+def child_blocks(stmt: ast.stmt) -> list[list[ast.stmt]]:
+    """The statement lists nested directly in `stmt` (bodies, branches, handlers)."""
+    blocks = [getattr(stmt, name, None) for name in ("body", "orelse", "finalbody")]
+    blocks += [handler.body for handler in getattr(stmt, "handlers", [])]
+    blocks += [case.body for case in getattr(stmt, "cases", [])]
+    return [block for block in blocks if isinstance(block, list) and block and isinstance(block[0], ast.stmt)]
+
+
+def block_path(block: list[ast.stmt], node: ast.AST) -> list[tuple[list[ast.stmt], int]]:
+    """(statement list, index) pairs from `block` down to the statement holding `node`.
+
+    The deepest list shared by the paths of several nodes is the innermost
+    block that dominates them all.
+    """
+    for index, stmt in enumerate(block):
+        if not any(child is node for child in ast.walk(stmt)):
+            continue
+        for inner in child_blocks(stmt):
+            tail = block_path(inner, node)
+            if tail:
+                return [(block, index), *tail]
+        return [(block, index)]
+    return []
+
+
+def enclosing_loop_or_scope(funcdef: ast.FunctionDef, node: ast.AST) -> ast.AST | None:
+    """The innermost loop, comprehension or nested scope around `node` in `funcdef`."""
+    parent_of = parents(funcdef)
+    current = parent_of.get(node)
+    while current is not None and current is not funcdef:
+        if isinstance(current, LOOPS_AND_SCOPES):
+            return current
+        current = parent_of.get(current)
+    return None

@@ -1,0 +1,104 @@
+"""`fusegen` command line. Exit codes: 0 ok, 1 drift found, 2 bad usage or input."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import fusegen
+from fusegen.errors import FusegenError, InputError
+
+EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse exits 2 too; keep the message style ours
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_ERROR, f"fusegen: error: {message}\n")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fusegen", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fusegen {fusegen.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    build = commands.add_parser("build", help="write fused model files (or check them with --check)")
+    build.add_argument("targets", nargs="*", metavar="TARGET", help="Transformers model type, e.g. llama")
+    build.add_argument("--output-dir", type=Path, default=Path("generated"), metavar="DIR")
+    build.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 and print a diff if DIR is out of date"
+    )
+
+    commands.add_parser("list", help="list the causal-LM model types Transformers knows")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        if args.command == "build":
+            return _build(args)
+        return _list()
+    except FusegenError as error:
+        print(f"fusegen: error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+def _build(args) -> int:
+    from fusegen.build import build
+    from fusegen.writer import drift, output_path, recorded_targets, write_atomic
+
+    targets = list(dict.fromkeys(args.targets))
+    if not targets:
+        if not args.check:
+            raise InputError("name at least one TARGET (e.g. `fusegen build llama`), or pass --check")
+        recorded = recorded_targets(args.output_dir)
+        unknown = [str(path) for path, target in recorded.items() if target is None]
+        if unknown:
+            raise InputError(f"no `# fusegen-target:` header in {', '.join(unknown)}")
+        targets = list(recorded.values())
+        if not targets:
+            raise InputError(f"no fused_*.py files in {args.output_dir} to check")
+
+    results = [build(target) for target in targets]  # all or nothing: any error writes no file
+    status = EXIT_OK
+    for result in results:
+        path = output_path(args.output_dir, result.target.model_type)
+        summary = _summary(result)
+        if result.text is None:
+            print(f"{result.target.model_type}: nothing to fuse ({summary}); no file written")
+            continue
+        if args.check:
+            diff = drift(path, result.text)
+            if diff is not None:
+                status = EXIT_DRIFT
+                print(f"would regenerate {path}", file=sys.stderr)
+                sys.stdout.write(diff)
+            else:
+                print(f"{path} is up to date")
+        else:
+            write_atomic(path, result.text)
+            print(f"wrote {path} ({summary})")
+    return status
+
+
+def _summary(result) -> str:
+    fused = [f"{o.class_name}.{plan.merged}" for o in result.outcomes for plan in o.fused]
+    refused = sum(len(o.refused) for o in result.outcomes)
+    parts = [f"fused {', '.join(fused)}" if fused else "fused nothing"]
+    if refused:
+        parts.append(f"{refused} refused, see the file header")
+    return "; ".join(parts)
+
+
+def _list() -> int:
+    from fusegen.resolve import causal_lm_types
+
+    for name in causal_lm_types():
+        print(name)
+    return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

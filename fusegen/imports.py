@@ -1,0 +1,70 @@
+"""The import block of a generated file: exactly the globals its classes use.
+
+Unchanged helpers are imported from the original modeling module rather than
+copied, so a generated file stays small and picks up upstream fixes. Every
+name comes from that module's namespace, typing helpers included (their home
+differs between Python versions, the modeling module's spelling does not);
+only modules (`torch`, `nn`) are imported by their own name.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import symtable
+from types import ModuleType
+
+from fusegen.errors import InputError
+
+RUNTIME_MODULE = "fusegen.runtime"
+
+
+def global_names(source: str) -> set[str]:
+    """Names `source` reads from outside itself: globals it uses but never defines."""
+    module = symtable.symtable(source, "<generated>", "exec")
+    defined = {symbol.get_name() for symbol in module.get_symbols() if symbol.is_assigned()}
+    used: set[str] = set()
+
+    def visit(table: symtable.SymbolTable) -> None:
+        for symbol in table.get_symbols():
+            if symbol.is_referenced() and (symbol.is_global() or table is module):
+                used.add(symbol.get_name())
+        for child in table.get_children():
+            visit(child)
+
+    visit(module)
+    return used - defined
+
+
+def import_lines(names: set[str], source_module: ModuleType, runtime_names: set[str]) -> list[str]:
+    """Sorted import statements binding `names` as they are bound in `source_module`."""
+    namespace = vars(source_module)
+    plain: set[str] = set()
+    from_imports: dict[str, set[str]] = {}
+    for name in sorted(names):
+        if name in runtime_names:
+            from_imports.setdefault(RUNTIME_MODULE, set()).add(name)
+            continue
+        if name not in namespace:
+            if hasattr(builtins, name):
+                continue
+            raise InputError(f"{source_module.__name__}: the generated code uses {name!r}, which it does not define")
+        value = namespace[name]
+        if inspect.ismodule(value):
+            parent, _, leaf = value.__name__.rpartition(".")
+            if value.__name__ == name:
+                plain.add(f"import {name}")
+            elif leaf == name:
+                from_imports.setdefault(parent, set()).add(name)
+            else:
+                plain.add(f"import {value.__name__} as {name}")
+            continue
+        from_imports.setdefault(source_module.__name__, set()).add(name)
+    lines = sorted(plain)
+    for module_name in sorted(from_imports, key=_import_order):
+        lines.append(f"from {module_name} import {', '.join(sorted(from_imports[module_name]))}")
+    return lines
+
+
+def _import_order(module_name: str) -> tuple[int, str]:
+    return (module_name.partition(".")[0] == "fusegen", module_name)

@@ -1,0 +1,140 @@
+"""Stage 5b: rewrite `__init__` to build one merged linear instead of the projections.
+
+The merged constructor is assembled from the projections' own source
+expressions, so one generated class serves every config of the model:
+
+    self.qkv_proj = MergedColumnLinear(
+        config.hidden_size,
+        [config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim, ...],
+        bias=config.attention_bias,
+    )
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+from torch import nn
+
+from fusegen import astutil
+from fusegen.plan import FusionPlan, Refused
+from fusegen.safety import resolve
+
+MERGED_LINEAR = "MergedColumnLinear"
+"""The runtime class the merged constructor calls (imported from `fusegen.runtime`)."""
+
+_LINEAR_SIGNATURE = inspect.signature(nn.Linear.__init__)
+
+
+def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) -> None:
+    """Replace the projections' assignments in `funcdef` with one merged assignment."""
+    assigns = [_constructor_assignment(funcdef, name) for name in plan.projections]
+    block = _shared_block(funcdef, assigns)
+    positions = sorted(block.index(assign) for assign in assigns)
+    arguments = [_linear_arguments(assign, namespace) for assign in assigns]
+    in_features, bias = arguments[0]["in_features"], arguments[0]["bias"]
+    for assign, bound in zip(assigns[1:], arguments[1:]):
+        for field in ("in_features", "bias"):
+            if not astutil.same_expr(bound[field], arguments[0][field]):
+                raise Refused(
+                    "constructors-disagree",
+                    f"{plan.projections[0]} and {_target(assign)} differ in {field} "
+                    f"(`{ast.unparse(arguments[0][field])}` vs `{ast.unparse(bound[field])}`)",
+                    assign,
+                )
+    _check_inputs_stable(block[positions[0] : positions[-1] + 1], assigns, arguments)
+    merged = ast.parse(
+        f"self.{plan.merged} = {MERGED_LINEAR}(__in__, [{', '.join('__out%d__' % i for i in range(len(assigns)))}],"
+        " bias=__bias__)"
+    ).body[0]
+    fills = {"__in__": in_features, "__bias__": bias}
+    fills.update({f"__out{i}__": bound["out_features"] for i, bound in enumerate(arguments)})
+    for node in [n for n in ast.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:
+        astutil.replace_node(merged, node, fills[node.id])
+    last = block[positions[-1]]
+    block[positions[-1]] = ast.copy_location(merged, last)
+    for assign in assigns:
+        if assign is not last:
+            block.remove(assign)
+
+
+def check_no_other_uses(classdef: ast.ClassDef, plan: FusionPlan) -> None:
+    """Refuse if a method other than `__init__`/`forward` touches a projection."""
+    for stmt in classdef.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name not in ("__init__", "forward"):
+            for name in plan.projections:
+                refs = astutil.self_refs(stmt, name)
+                if refs:
+                    raise Refused("escaping-reference", f"method {stmt.name} uses self.{name}", refs[0])
+
+
+def _constructor_assignment(funcdef: ast.FunctionDef, name: str) -> ast.Assign:
+    refs = astutil.self_refs(funcdef, name)
+    assigns = [
+        stmt
+        for stmt in ast.walk(funcdef)
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and any(stmt.targets[0] is ref for ref in refs)
+    ]
+    if len(assigns) != 1 or len(refs) != 1:
+        where = refs[1] if len(refs) > 1 else funcdef
+        raise Refused("unusual-init", f"self.{name} is not assigned exactly once and used nowhere else", where)
+    assign = assigns[0]
+    if not isinstance(assign.value, ast.Call):
+        raise Refused("unusual-init", f"self.{name} is not assigned a constructor call", assign)
+    return assign
+
+
+def _shared_block(funcdef: ast.FunctionDef, assigns: list[ast.Assign]) -> list[ast.stmt]:
+    blocks = [astutil.block_path(funcdef.body, assign)[-1][0] for assign in assigns]
+    if any(block is not blocks[0] for block in blocks):
+        raise Refused("unusual-init", "the projections are constructed in different blocks", assigns[-1])
+    return blocks[0]
+
+
+def _linear_arguments(assign: ast.Assign, namespace: dict) -> dict[str, ast.expr]:
+    """in_features, out_features and bias of an `nn.Linear(...)` call, as expressions."""
+    call = assign.value
+    if resolve(call.func, namespace) is not nn.Linear:
+        raise Refused("unusual-init", f"`{ast.unparse(call.func)}` is not torch.nn.Linear", assign)
+    if any(isinstance(arg, ast.Starred) for arg in call.args) or any(kw.arg is None for kw in call.keywords):
+        raise Refused("unusual-init", f"`{ast.unparse(call)}` unpacks its arguments", assign)
+    try:
+        bound = _LINEAR_SIGNATURE.bind(None, *call.args, **{kw.arg: kw.value for kw in call.keywords})
+    except TypeError as exc:
+        raise Refused("unusual-init", f"`{ast.unparse(call)}`: {exc}", assign) from exc
+    extra = set(bound.arguments) - {"self", "in_features", "out_features", "bias"}
+    if extra:
+        raise Refused("unusual-init", f"`{ast.unparse(call)}` passes {', '.join(sorted(extra))}", assign)
+    arguments = dict(bound.arguments)
+    arguments.setdefault("bias", ast.Constant(True))
+    return arguments
+
+
+def _check_inputs_stable(span: list[ast.stmt], assigns: list[ast.Assign], arguments: list[dict]) -> None:
+    """Refuse if a name or `self.<attr>` the constructors read is reassigned among them.
+
+    The merged constructor runs where the last projection was built, so every
+    expression must mean there what it meant at its own assignment.
+    """
+    read_names: set[str] = set()
+    read_attrs: set[str] = set()
+    for bound in arguments:
+        for expr in bound.values():
+            if isinstance(expr, ast.AST):
+                read_names |= astutil.loaded_names(expr) - {"self"}
+                read_attrs |= {n.attr for n in ast.walk(expr) if astutil.self_attr(n)}
+    for stmt in span:
+        if stmt in assigns:
+            continue
+        for node in ast.walk(stmt):
+            rebinds_name = isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in read_names
+            rebinds_attr = astutil.self_attr(node) and isinstance(node.ctx, ast.Store) and node.attr in read_attrs
+            if rebinds_name or rebinds_attr:
+                raise Refused(
+                    "constructor-inputs-change", f"`{ast.unparse(node)}` changes between the constructors", node
+                )
+
+
+def _target(assign: ast.Assign) -> str:
+    return ast.unparse(assign.targets[0]).removeprefix("self.")

@@ -1,0 +1,248 @@
+"""Checkpoint conversion so fused models load and save the ORIGINAL (unfused) Transformers layout.
+
+Fused models keep e.g. `self_attn.qkv_proj` where the published checkpoints hold `self_attn.{q,k,v}_proj`. Rather than
+shipping new checkpoints, we plug into Transformers' own conversion machinery (`WeightConverter`s looked up by class name
+in `transformers.conversion_mapping`): it concatenates on `from_pretrained` and runs the reversed ops on `save_pretrained`.
+
+Why custom ops instead of Transformers' `Concatenate`: its reverse is `Chunk`, which splits into EQUAL parts. With GQA/MQA
+q is wider than k/v, so `Chunk` would write wrong shapes. `MergedColumnSplit` splits by the merged module's
+`output_sizes` instead, looked up on the live model, so every layout round-trips bit-identically.
+
+How nesting is handled (verified with transformers 5.x, see tests/test_runtime.py): `get_model_conversion_mapping` walks
+every `PreTrainedModel` in the module tree and looks each one up by class name. Classes defined outside the
+`transformers.` package count as "custom code" and are skipped unless their class name (or model_type) was registered by
+the user. So registering only the BASE model class (e.g. `FusedLlamaModel`) is enough: the `FusedLlamaForCausalLM` root is
+skipped, and the base model's converters get scoped to its sub-module, which with `base_model_prefix="model"` matches
+keys with or without the `model.` prefix. That also covers `FusedLlamaModel.from_pretrained` on a ForCausalLM checkpoint.
+Registering the head class as well is harmless (Transformers applies at most one converter per key, and both copies are
+identical), only redundant.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from copy import deepcopy
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.conversion_mapping import (
+    USER_REGISTERED_MAPPINGS,
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+)
+from transformers.core_model_loading import Concatenate, ConversionOps, WeightConverter
+
+# Checkpoint names are used as regexes by Transformers; restricting them to dotted identifiers means no character in
+# them can act as a regex operator (a `.` matching any char is harmless between identifiers).
+_NAME_RE = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
+
+# Prepended to each source pattern: the piece name must start the key or follow a `.`, so `q_proj` cannot match
+# `xq_proj`. Transformers strips `(?...)` groups when it reverses a transform, so the saved names stay plain.
+_LEFT_BOUNDARY = r"(?<![^.])"
+
+
+def _find_merged_linear(model: nn.Module | None, param_name: str | None) -> nn.Module | None:
+    """Return the module owning `param_name` if it is a merged linear (has `output_sizes`), else None.
+
+    Converters only get the root model and a parameter name. Depending on whether a ForCausalLM checkpoint is loaded into a
+    base model (or the opposite) that name may carry one `base_model_prefix` level too many or too few, so both variants
+    are tried. Duck-typing on `output_sizes` (not isinstance) keeps models built before an importlib.reload working.
+    """
+    if model is None or not param_name:
+        return None
+    module_path = param_name.rpartition(".")[0]
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    candidates = [module_path]
+    if prefix:
+        candidates += [module_path.removeprefix(prefix + "."), f"{prefix}.{module_path}"]
+    for candidate in candidates:
+        try:
+            module = model.get_submodule(candidate)
+        except AttributeError:
+            continue
+        if getattr(module, "output_sizes", None) is not None:
+            return module
+    return None
+
+
+def _tensors_of(value: Any) -> list[torch.Tensor]:
+    """Transformers passes either one tensor or a list of tensors per pattern; normalise to a list."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class MergedColumnConcatenate(Concatenate):
+    """Load direction: concatenate the checkpoint's pieces (in mapping order) into the merged weight or bias.
+
+    Same maths as Transformers' `Concatenate`; it differs in two ways. Its `reverse_op` is `MergedColumnSplit`
+    (size-aware) instead of an equal `Chunk`. And it checks the piece sizes against the target module's `output_sizes`,
+    so a missing piece or a mapping order that disagrees with the module fails loudly (Transformers reports it as a
+    conversion error and leaves the parameter missing) rather than loading a silently mis-split weight.
+    """
+
+    def __init__(self, dim: int = 0):
+        super().__init__(dim=dim)
+
+    @torch.no_grad()
+    def convert(
+        self,
+        input_dict: dict[str, Any],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        full_layer_name: str | None = None,
+        model: nn.Module | None = None,
+        **kwargs,
+    ) -> dict[str, torch.Tensor]:
+        pieces = [t.shape[self.dim] for p in source_patterns if p in input_dict for t in _tensors_of(input_dict[p])]
+        merged = _find_merged_linear(model, full_layer_name)
+        if merged is not None and pieces != list(merged.output_sizes):
+            raise ValueError(
+                f"{full_layer_name}: checkpoint pieces have sizes {pieces} along dim {self.dim}, "
+                f"but the merged module expects output_sizes={merged.output_sizes}"
+            )
+        return super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return MergedColumnSplit(self.dim)
+
+
+class MergedColumnSplit(ConversionOps):
+    """Save direction: split a merged weight or bias back into its original tensors by the module's `output_sizes`.
+
+    The sizes come from the live model (not the config) so that whatever the compiler generated is the single source of
+    truth. Pieces are views of the merged tensor (no copy, so saving does not double peak memory); safetensors writes
+    non-overlapping views of one storage fine.
+    """
+
+    def __init__(self, dim: int = 0):
+        self.dim = dim
+
+    @torch.no_grad()
+    def convert(
+        self,
+        input_dict: dict[str, Any],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        full_layer_name: str | None = None,
+        model: nn.Module | None = None,
+        **kwargs,
+    ) -> dict[str, torch.Tensor]:
+        if len(input_dict) != 1:
+            raise ValueError(f"MergedColumnSplit expects exactly one merged tensor, got {list(input_dict)}")
+        tensor = _tensors_of(next(iter(input_dict.values())))[0]
+        # `full_layer_name` is the FIRST piece's full name (e.g. `model.layers.0.self_attn.q_proj.weight`);
+        # swap the piece pattern for the merged one to find the module that owns the tensor.
+        head, found, tail = (full_layer_name or "").partition(target_patterns[0])
+        merged = _find_merged_linear(model, head + source_patterns[0] + tail) if found else None
+        if merged is None:
+            raise ValueError(f"Cannot find the merged linear owning {full_layer_name!r}; need it for its output_sizes")
+        sizes = list(merged.output_sizes)
+        if len(sizes) != len(target_patterns) or sum(sizes) != tensor.shape[self.dim]:
+            raise ValueError(
+                f"{full_layer_name}: cannot split a tensor of size {tensor.shape[self.dim]} into {target_patterns} "
+                f"with output_sizes={sizes}"
+            )
+        return dict(zip(target_patterns, tensor.split(sizes, dim=self.dim)))
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return MergedColumnConcatenate(self.dim)
+
+
+def _piece_names(merged_name: str, pieces: Iterable[Any]) -> list[str]:
+    """Accept vLLM-style `(name, shard_id)` tuples or bare names; only the name and its ORDER matter here."""
+    names = [piece[0] if isinstance(piece, (tuple, list)) else piece for piece in pieces]
+    if not names:
+        raise ValueError(f"{merged_name!r} has no pieces")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{merged_name!r} lists a piece twice: {names}")
+    return names
+
+
+def _check_name(name: str, what: str) -> str:
+    """Reject names that are not dotted identifiers, since Transformers would interpret them as regexes."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(f"{what} must be a dotted identifier, got {name!r}")
+    return name
+
+
+def _join(parent: str | None, name: str) -> str:
+    """Qualify a linear name with its owning attribute (e.g. `self_attn.q_proj`) so patterns only match there."""
+    return f"{parent}.{name}" if parent else name
+
+
+def build_stacked_converters(
+    stacked: Mapping[str, Sequence[Any]],
+    parents: Mapping[str, Sequence[str]] | None = None,
+) -> list[WeightConverter]:
+    """Build one `WeightConverter` per (merged linear, parent attribute).
+
+    Patterns are `"{parent}.{piece}"` (e.g. `self_attn.q_proj`) without a `.weight` suffix, so one converter handles the
+    weight and, when present, the bias (Qwen2 q/k/v) through the same name. The parent pins the match to the right
+    sub-module: a bare `q_proj` would also capture e.g. a vision tower's attention. Without a parent entry the bare
+    names are used.
+    """
+    parents = dict(parents or {})
+    unknown = set(parents) - set(stacked)
+    if unknown:
+        raise ValueError(f"parents names merged linears that are not in the mapping: {sorted(unknown)}")
+    converters = []
+    for merged_name, pieces in stacked.items():
+        _check_name(merged_name, "merged linear name")
+        names = [_check_name(n, "piece name") for n in _piece_names(merged_name, pieces)]
+        owners = parents.get(merged_name) or [None]
+        if isinstance(owners, str):
+            owners = [owners]
+        for parent in owners:
+            if parent is not None:
+                _check_name(parent, "parent")
+            converters.append(
+                WeightConverter(
+                    source_patterns=[_LEFT_BOUNDARY + _join(parent, n) for n in names],
+                    target_patterns=_join(parent, merged_name),
+                    operations=[MergedColumnConcatenate(dim=0)],
+                )
+            )
+    return converters
+
+
+def _check_registrable(class_name: str) -> None:
+    """Refuse names whose registration would change how ORIGINAL Transformers models load or save.
+
+    Transformers looks mappings up by class name and then by `model_type`, so registering `"llama"` or `"LlamaModel"`
+    would make stock Llama checkpoints go through our converters. Fused class names never collide with these.
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if not isinstance(class_name, str) or not class_name.isidentifier():
+        raise ValueError(f"class name must be an identifier, got {class_name!r}")
+    builtin = get_checkpoint_conversion_mapping(class_name) is not None and class_name not in USER_REGISTERED_MAPPINGS
+    if builtin or class_name in CONFIG_MAPPING_NAMES or hasattr(transformers, class_name):
+        raise ValueError(f"{class_name!r} belongs to Transformers itself; register the fused class names instead")
+
+
+def register_stacked_checkpoint(
+    class_names: str | Sequence[str],
+    stacked: Mapping[str, Sequence[Any]],
+    parents: Mapping[str, Sequence[str]] | None = None,
+) -> list[WeightConverter]:
+    """Make `from_pretrained`/`save_pretrained` of the given classes read and write the canonical unfused layout.
+
+    `class_names`: the fused `PreTrainedModel` class names whose checkpoints use the canonical layout; the base model
+    (e.g. `"FusedLlamaModel"`) is enough, see the module docstring. `stacked`: merged linear name -> ordered pieces,
+    e.g. `{"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}`; the order must match the module's
+    `output_sizes`. `parents`: merged linear name -> attribute names of the modules holding it (e.g. `["self_attn"]`).
+
+    Re-registering (re-import, `importlib.reload`) overwrites silently, because generated modules register at import
+    time. Returns the converters built (a copy is registered per class name).
+    """
+    names = [class_names] if isinstance(class_names, str) else list(class_names)
+    converters = build_stacked_converters(stacked, parents)
+    for name in names:
+        _check_registrable(name)
+    for name in names:
+        register_checkpoint_conversion_mapping(name, deepcopy(converters), overwrite=True)
+    return converters

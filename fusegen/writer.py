@@ -1,0 +1,58 @@
+"""Stage 7 (end): put a generated file on disk atomically, or compare it with disk."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+TARGET_LINE = re.compile(r"^# fusegen-target: (\S+)$", re.MULTILINE)
+
+
+def output_path(directory: Path, model_type: str) -> Path:
+    return directory / f"fused_{model_type}.py"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step: readers see the old file or the new one.
+
+    The text goes to a temporary file in the same directory first, so a crash
+    or a full disk never leaves a half-written file in place of a good one.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def drift(path: Path, text: str) -> str | None:
+    """A unified diff from what is on disk to `text`, or None if they match."""
+    current = path.read_text(encoding="utf-8") if path.exists() else ""
+    if current == text:
+        return None
+    return "".join(
+        difflib.unified_diff(
+            current.splitlines(keepends=True),
+            text.splitlines(keepends=True),
+            fromfile=f"{path} (on disk)",
+            tofile=f"{path} (fresh build)",
+        )
+    )
+
+
+def recorded_targets(directory: Path) -> dict[Path, str | None]:
+    """Each `fused_*.py` in `directory` and the target its header says it was built from."""
+    found = {}
+    for path in sorted(directory.glob("fused_*.py")):
+        match = TARGET_LINE.search(path.read_text(encoding="utf-8"))
+        found[path] = match.group(1) if match else None
+    return found
