@@ -66,7 +66,7 @@ def build(name: str) -> BuildResult:
         classes=sources,
         checkpoint_classes=repr(_checkpoint_classes(model, target, renames)),
         parents=repr(_parents(model, outcomes)),
-        exports=repr(list(renames.values())),
+        exports=repr(sorted(renames.values())),
     )
     return BuildResult(target, outcomes, text)
 
@@ -77,7 +77,9 @@ def _stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
     for plan in plans:
         shards = [tuple(shard) for shard in plan.shards]
         if mapping.setdefault(plan.merged, shards) != shards:
-            raise InputError(f"two classes merge different projections into {plan.merged}: {mapping[plan.merged]} vs {shards}")
+            raise InputError(
+                f"two classes merge different projections into {plan.merged}: {mapping[plan.merged]} vs {shards}"
+            )
     return mapping
 
 

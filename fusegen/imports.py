@@ -60,11 +60,15 @@ def import_lines(names: set[str], source_module: ModuleType, runtime_names: set[
                 plain.add(f"import {value.__name__} as {name}")
             continue
         from_imports.setdefault(source_module.__name__, set()).add(name)
-    lines = sorted(plain)
-    for module_name in sorted(from_imports, key=_import_order):
-        lines.append(f"from {module_name} import {', '.join(sorted(from_imports[module_name]))}")
-    return lines
+    third_party = sorted(plain) + [
+        _from_line(module_name, from_imports[module_name])
+        for module_name in sorted(from_imports)
+        if module_name != RUNTIME_MODULE
+    ]
+    first_party = [_from_line(RUNTIME_MODULE, from_imports[RUNTIME_MODULE])] if RUNTIME_MODULE in from_imports else []
+    # isort's layout: third-party imports, a blank line, then fusegen's own.
+    return third_party + ([""] if third_party and first_party else []) + first_party
 
 
-def _import_order(module_name: str) -> tuple[int, str]:
-    return (module_name.partition(".")[0] == "fusegen", module_name)
+def _from_line(module_name: str, names: set[str]) -> str:
+    return f"from {module_name} import {', '.join(sorted(names))}"

@@ -38,7 +38,7 @@ def find_groups(graph: fx.Graph, module: nn.Module) -> list[FusionPlan]:
         if node.op == "call_module" and node.target in linears:
             calls.setdefault(node.target, []).append(node)
     by_input: dict[fx.Node, list[fx.Node]] = {}
-    for name, nodes in calls.items():
+    for nodes in calls.values():
         node = nodes[0]
         if len(nodes) == 1 and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
             by_input.setdefault(node.args[0], []).append(node)

@@ -33,9 +33,7 @@ def rewrite_forward(funcdef: ast.FunctionDef, plan: FusionPlan, module: nn.Modul
     for call in calls:
         scope = astutil.enclosing_loop_or_scope(funcdef, call)
         if scope is not None:
-            raise Refused(
-                "call-in-loop", f"`{ast.unparse(call)}` sits inside a {type(scope).__name__.lower()}", call
-            )
+            raise Refused("call-in-loop", f"`{ast.unparse(call)}` sits inside a {type(scope).__name__.lower()}", call)
     block, first, last = _dominating_region(funcdef, calls)
     safety.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
     _splice(funcdef, plan, calls, block, first)
@@ -51,9 +49,7 @@ def _single_call(funcdef: ast.FunctionDef, name: str) -> ast.Call:
     """
     refs = astutil.self_refs(funcdef, name)
     calls = [
-        node
-        for node in ast.walk(funcdef)
-        if isinstance(node, ast.Call) and any(node.func is ref for ref in refs)
+        node for node in ast.walk(funcdef) if isinstance(node, ast.Call) and any(node.func is ref for ref in refs)
     ]
     if len(calls) != 1:
         where = calls[1] if len(calls) > 1 else funcdef

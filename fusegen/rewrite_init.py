@@ -44,10 +44,8 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
                     assign,
                 )
     _check_inputs_stable(block[positions[0] : positions[-1] + 1], assigns, arguments)
-    merged = ast.parse(
-        f"self.{plan.merged} = {MERGED_LINEAR}(__in__, [{', '.join('__out%d__' % i for i in range(len(assigns)))}],"
-        " bias=__bias__)"
-    ).body[0]
+    widths = ", ".join(f"__out{i}__" for i in range(len(assigns)))
+    merged = ast.parse(f"self.{plan.merged} = {MERGED_LINEAR}(__in__, [{widths}], bias=__bias__)").body[0]
     fills = {"__in__": in_features, "__bias__": bias}
     fills.update({f"__out{i}__": bound["out_features"] for i, bound in enumerate(arguments)})
     for node in [n for n in ast.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:

@@ -75,7 +75,9 @@ def may_alias(expr: ast.expr, tracked: set[str], module: nn.Module) -> bool:
         return _call_may_alias(expr, tracked, module)
     if isinstance(expr, ast.NamedExpr):
         return may_alias(expr.value, tracked, module)
-    return any(may_alias(child, tracked, module) for child in ast.iter_child_nodes(expr) if isinstance(child, ast.expr))
+    return any(
+        may_alias(child, tracked, module) for child in ast.iter_child_nodes(expr) if isinstance(child, ast.expr)
+    )
 
 
 def _call_may_alias(call: ast.Call, tracked: set[str], module: nn.Module) -> bool:
@@ -115,9 +117,7 @@ def _bindings(funcdef: ast.FunctionDef):
     for node in ast.walk(funcdef):
         if isinstance(node, ast.Assign):
             yield node.targets, node.value
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
-            yield [node.target], node.value
-        elif isinstance(node, ast.NamedExpr):
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:
             yield [node.target], node.value
         elif isinstance(node, (ast.For, ast.AsyncFor)):
             yield [node.target], node.iter

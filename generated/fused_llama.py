@@ -41,6 +41,7 @@ from transformers.models.llama.modeling_llama import (
     slice_logits_to_keep,
     use_kernelized_func,
 )
+
 from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint
 
 STACKED_PARAMS_MAPPING = {
@@ -324,10 +325,10 @@ register_stacked_checkpoint(
 )
 
 __all__ = [
-    "FusedLlamaMLP",
     "FusedLlamaAttention",
     "FusedLlamaDecoderLayer",
-    "FusedLlamaPreTrainedModel",
-    "FusedLlamaModel",
     "FusedLlamaForCausalLM",
+    "FusedLlamaMLP",
+    "FusedLlamaModel",
+    "FusedLlamaPreTrainedModel",
 ]

@@ -43,6 +43,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
     slice_logits_to_keep,
     use_kernelized_func,
 )
+
 from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint
 
 STACKED_PARAMS_MAPPING = {
@@ -332,10 +333,10 @@ register_stacked_checkpoint(
 )
 
 __all__ = [
-    "FusedQwen2MLP",
     "FusedQwen2Attention",
     "FusedQwen2DecoderLayer",
-    "FusedQwen2PreTrainedModel",
-    "FusedQwen2Model",
     "FusedQwen2ForCausalLM",
+    "FusedQwen2MLP",
+    "FusedQwen2Model",
+    "FusedQwen2PreTrainedModel",
 ]

@@ -42,7 +42,7 @@ def test_logits_and_greedy_tokens_match(checkpoint, model_type, heads, attn):
     assert (expected - actual).abs().max().item() <= TOLERANCE
 
     prompt = input_ids[:1, :5]
-    kwargs = dict(max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    kwargs = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False}
     assert torch.equal(original.generate(prompt, **kwargs), fused.generate(prompt, **kwargs))
 
 
@@ -57,7 +57,7 @@ def test_left_padded_batch_with_mask_matches(checkpoint, model_type):
         expected = original(input_ids, attention_mask=mask).logits
         actual = fused(input_ids, attention_mask=mask).logits
     assert (expected - actual)[mask.bool()].abs().max().item() <= TOLERANCE
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(original.generate(input_ids, **kwargs), fused.generate(input_ids, **kwargs))
 
 
@@ -93,7 +93,9 @@ def test_qwen2_biases_are_merged_in_order(checkpoint):
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_sharded_checkpoint_loads(checkpoint, model_type):
     config_class, original_class, fused_class = MODELS[model_type]
-    path, original = checkpoint(original_class, tiny_config(config_class, num_key_value_heads=2), max_shard_size="20KB")
+    path, original = checkpoint(
+        original_class, tiny_config(config_class, num_key_value_heads=2), max_shard_size="20KB"
+    )
     assert (path / "model.safetensors.index.json").exists()
     fused, info = fused_class.from_pretrained(path, output_loading_info=True)
     assert not any(info.values()), info
