@@ -32,14 +32,13 @@ def analyse_class(cls: type, instance: nn.Module, namespace: dict) -> tuple[Clas
     except Refused as refusal:
         outcome.refused = [Refusal(plan.projections, refusal.rule, refusal.reason, refusal.line) for plan in plans]
         return outcome, None
-    taken = {name for name, _ in instance.named_children()} | {
-        node.attr for node in ast.walk(classdef) if astutil.self_attr(node)
-    }
+    taken = {name: None for name, _ in instance.named_children()}
+    taken.update({node.attr: node for node in ast.walk(classdef) if astutil.self_attr(node)})
     for plan in plans:
         candidate = copy.deepcopy(classdef)
         try:
             if plan.merged in taken:
-                raise Refused("name-clash", f"the class already uses the name {plan.merged}")
+                raise Refused("name-clash", f"the class already uses the name {plan.merged}", taken[plan.merged])
             check_no_other_uses(candidate, plan)
             rewrite_init(astutil.method(candidate, "__init__"), plan, namespace)
             rewrite_forward(astutil.method(candidate, "forward"), plan, instance, namespace)
@@ -47,20 +46,20 @@ def analyse_class(cls: type, instance: nn.Module, namespace: dict) -> tuple[Clas
             outcome.refused.append(Refusal(plan.projections, refusal.rule, refusal.reason, refusal.line))
             continue
         classdef = candidate
-        taken.add(plan.merged)
+        taken[plan.merged] = None
         outcome.fused.append(plan)
     return outcome, (classdef if outcome.fused else None)
 
 
 def _fusable_source(cls: type) -> ast.ClassDef:
     """The class statement, if its `__init__` and `forward` can be rewritten at all."""
+    forward = inspect.unwrap(cls.forward)
+    if forward.__code__.co_freevars:
+        raise Refused("closure", f"{cls.__name__}.forward is a closure over {', '.join(forward.__code__.co_freevars)}")
     classdef = astutil.parse_class(cls)
     for name in ("__init__", "forward"):
         if astutil.method(classdef, name) is None:
             raise Refused("inherited-method", f"{cls.__name__} inherits {name} instead of defining it")
-    forward = inspect.unwrap(cls.forward)
-    if forward.__code__.co_freevars:
-        raise Refused("closure", f"{cls.__name__}.forward is a closure over {', '.join(forward.__code__.co_freevars)}")
     for node in ast.walk(classdef):
         name = getattr(node, "attr", None) or getattr(node, "id", None)
         if isinstance(name, str) and name.startswith("__") and not name.endswith("__"):

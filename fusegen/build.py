@@ -25,6 +25,15 @@ REGISTER = "register_stacked_checkpoint"
 
 
 @dataclass
+class Analysis:
+    target: Target
+    model: nn.Module
+    outcomes: list[ClassOutcome]
+    rewritten: dict[str, ast.ClassDef]
+    """Rewritten class statements of the classes with at least one fusion."""
+
+
+@dataclass
 class BuildResult:
     target: Target
     outcomes: list[ClassOutcome]
@@ -32,7 +41,8 @@ class BuildResult:
     """The generated module, or None when nothing could be fused."""
 
 
-def build(name: str) -> BuildResult:
+def analyse(name: str) -> Analysis:
+    """Stages 1-5: every candidate class's outcome, and the rewritten classes."""
     target = resolve(name)
     model = instantiate(target)
     namespace = vars(target.module)
@@ -42,6 +52,13 @@ def build(name: str) -> BuildResult:
         outcomes.append(outcome)
         if classdef is not None:
             rewritten[cls.__name__] = classdef
+    return Analysis(target, model, outcomes, rewritten)
+
+
+def build(name: str) -> BuildResult:
+    """The whole pipeline: the generated module's text for target `name`."""
+    analysis = analyse(name)
+    target, model, outcomes, rewritten = analysis.target, analysis.model, analysis.outcomes, analysis.rewritten
     if not rewritten:
         return BuildResult(target, outcomes, None)
     emitted = classes_to_emit(target.module, model, rewritten)
@@ -56,6 +73,7 @@ def build(name: str) -> BuildResult:
         transformers_version=transformers.__version__,
         source_module=target.module.__name__,
         model_type=target.model_type,
+        build_target=target.source,
         fingerprint=hashlib.sha256(inspect.getsource(target.module).encode()).hexdigest(),
         fused_lines=[f"{fused_name(o.class_name)}: {plan.describe()}" for o in outcomes for plan in o.fused],
         refused_lines=[f"{o.class_name}: {refusal.describe()}" for o in outcomes for refusal in o.refused],
@@ -87,30 +105,28 @@ def _parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[s
     """For each merged name, the attribute names under which its module sits in the model.
 
     Checkpoint names are matched on `<parent>.<projection>`, so a same-named
-    projection of an unfused module elsewhere is never swept into a merge.
+    projection of an unfused module elsewhere is never swept into a merge. A
+    module held directly in a `ModuleList` has an index for a parent; its
+    projections are matched by bare name instead.
     """
     merged_by_class = {o.class_name: [plan.merged for plan in o.fused] for o in outcomes if o.fused}
-    parents: dict[str, set[str]] = {}
+    projections = {plan.merged: plan.projections for o in outcomes for plan in o.fused}
+    found: dict[str, set[str]] = {}
     for path, module in model.named_modules():
         for merged in merged_by_class.get(type(module).__name__, []):
-            parents.setdefault(merged, set()).add(path.rpartition(".")[2])
-    _check_parents_unique(model, merged_by_class, parents, outcomes)
-    return {merged: sorted(names) for merged, names in sorted(parents.items())}
-
-
-def _check_parents_unique(model, merged_by_class, parents, outcomes) -> None:
-    fused_classes = set(merged_by_class)
-    projections = {merged: plan.projections for o in outcomes for plan in o.fused for merged in [plan.merged]}
+            found.setdefault(merged, set()).add(path.rpartition(".")[2])
+    parents = {merged: sorted(names) for merged, names in sorted(found.items()) if not any(n.isdigit() for n in names)}
     for path, module in model.named_modules():
-        if type(module).__name__ in fused_classes:
+        if type(module).__name__ in merged_by_class:
             continue
-        parent = path.rpartition(".")[2]
-        for merged, names in parents.items():
-            if parent in names and any(hasattr(module, projection) for projection in projections[merged]):
+        for merged, names in projections.items():
+            scoped = merged not in parents or path.rpartition(".")[2] in parents[merged]
+            if scoped and any(isinstance(getattr(module, name, None), nn.Module) for name in names):
                 raise InputError(
-                    f"{path} ({type(module).__name__}) is not fused but its projections share checkpoint names "
-                    f"with the fused {merged}; loading could not tell them apart"
+                    f"{path} ({type(module).__name__}) is not fused but its projections have the checkpoint names "
+                    f"of the fused {merged}; loading could not tell them apart"
                 )
+    return parents
 
 
 def _checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str]) -> list[str]:

@@ -30,6 +30,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="write nothing; exit 1 and print a diff if DIR is out of date"
     )
 
+    report = commands.add_parser("report", help="show what would be fused or refused, and why")
+    report.add_argument("targets", nargs="+", metavar="TARGET")
+    report.add_argument("--json", action="store_true", help="print the outcomes as JSON")
+
     commands.add_parser("list", help="list the causal-LM model types Transformers knows")
     return parser
 
@@ -39,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "build":
             return _build(args)
+        if args.command == "report":
+            return _report(args)
         return _list()
     except FusegenError as error:
         print(f"fusegen: error: {error}", file=sys.stderr)
@@ -90,6 +96,20 @@ def _summary(result) -> str:
     if refused:
         parts.append(f"{refused} refused, see the file header")
     return "; ".join(parts)
+
+
+def _report(args) -> int:
+    import json
+
+    from fusegen.build import analyse
+    from fusegen.report import report_data, report_text
+
+    analyses = [analyse(target) for target in dict.fromkeys(args.targets)]
+    if args.json:
+        print(json.dumps(report_data(analyses), indent=2))
+    else:
+        print(report_text(analyses), end="")
+    return EXIT_OK
 
 
 def _list() -> int:

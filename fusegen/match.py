@@ -31,7 +31,7 @@ def plain_linears(module: nn.Module) -> dict[str, nn.Linear]:
 
 
 def find_groups(graph: fx.Graph, module: nn.Module) -> list[FusionPlan]:
-    """Every group of >= 2 plain linears called once each on the same input node."""
+    """Every group of >= 2 plain linears whose (first) call reads the same input node."""
     linears = plain_linears(module)
     calls: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
@@ -39,29 +39,42 @@ def find_groups(graph: fx.Graph, module: nn.Module) -> list[FusionPlan]:
             calls.setdefault(node.target, []).append(node)
     by_input: dict[fx.Node, list[fx.Node]] = {}
     for nodes in calls.values():
+        # A linear called more than once joins the group of its first call, so
+        # the rewrite stage refuses the group and reports why.
         node = nodes[0]
-        if len(nodes) == 1 and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
+        if len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
             by_input.setdefault(node.args[0], []).append(node)
     plans = []
     for nodes in by_input.values():
         if len(nodes) >= 2 and _same_input_width(nodes, linears):
-            plans.append(_plan(nodes))
+            plans.extend(_split_group(nodes))
     return sorted(plans, key=lambda plan: plan.projections)
+
+
+def _split_group(nodes: list[fx.Node]) -> list[FusionPlan]:
+    """A same-input group as plans: a q/k/v triplet, GLU pairs, then the rest.
+
+    Attention and MLP projections may share an input in one class (parallel
+    blocks); keeping them apart keeps the merged names meaningful and lets a
+    tensor-parallel runtime shard each merged linear its own way.
+    """
+    plans = []
+    names = [str(node.target) for node in nodes]
+    qkv = _find_qkv(names)
+    if qkv is not None:
+        plans.append(FusionPlan("qkv", merged_name(qkv), tuple(zip(qkv, ("q", "k", "v")))))
+        nodes = [node for node in nodes if node.target not in qkv]
+    for gate, up in _find_glu_pairs(nodes):
+        plans.append(FusionPlan("glu", merged_name([gate, up]), ((gate, 0), (up, 1))))
+        nodes = [node for node in nodes if node.target not in (gate, up)]
+    if len(nodes) >= 2:
+        rest = [str(node.target) for node in nodes]
+        plans.append(FusionPlan("merged_column", merged_name(rest), tuple((n, i) for i, n in enumerate(rest))))
+    return plans
 
 
 def _same_input_width(nodes: list[fx.Node], linears: dict[str, nn.Linear]) -> bool:
     return len({linears[node.target].in_features for node in nodes}) == 1
-
-
-def _plan(nodes: list[fx.Node]) -> FusionPlan:
-    names = [str(node.target) for node in nodes]
-    qkv = _qkv_order(names)
-    if qkv is not None:
-        return FusionPlan("qkv", merged_name(qkv), tuple(zip(qkv, ("q", "k", "v"))))
-    glu = _glu_order(nodes)
-    if glu is not None:
-        return FusionPlan("glu", merged_name(glu), tuple((name, index) for index, name in enumerate(glu)))
-    return FusionPlan("merged_column", merged_name(names), tuple((name, index) for index, name in enumerate(names)))
 
 
 def merged_name(names: list[str]) -> str:
@@ -84,16 +97,14 @@ def merged_name(names: list[str]) -> str:
     return prefix + joiner.join(stems) + suffix
 
 
-def _qkv_order(names: list[str]) -> list[str] | None:
-    """The names ordered q, k, v if they are such a triplet (same affixes)."""
-    if len(names) != 3:
-        return None
+def _find_qkv(names: list[str]) -> list[str] | None:
+    """Three of `names` forming a q/k/v triplet (same affixes), ordered q, k, v."""
     for stems in _QKV_STEMS:
         for name in names:
             for stem_position in _find_all(name, stems[0]):
                 prefix, suffix = name[:stem_position], name[stem_position + len(stems[0]) :]
                 ordered = [prefix + stem + suffix for stem in stems]
-                if sorted(ordered) == sorted(names):
+                if all(candidate in names for candidate in ordered):
                     return ordered
     return None
 
@@ -102,18 +113,22 @@ def _find_all(text: str, part: str) -> list[int]:
     return [i for i in range(len(text)) if text.startswith(part, i)]
 
 
-def _glu_order(nodes: list[fx.Node]) -> list[str] | None:
-    """`[gate, up]` when `act(gate(x)) * up(x)` (either operand order), else None."""
-    if len(nodes) != 2:
-        return None
-    for gate, up in (nodes, nodes[::-1]):
+def _find_glu_pairs(nodes: list[fx.Node]) -> list[tuple[str, str]]:
+    """(gate, up) pairs with `act(gate(x)) * up(x)`, in either operand order."""
+    pairs: list[tuple[str, str]] = []
+    for gate in nodes:
         for activated in gate.users:
             if activated.op not in ("call_module", "call_function", "call_method"):
                 continue
             for product in activated.users:
-                if _is_mul(product) and up in {_peel(arg) for arg in product.args}:
-                    return [str(gate.target), str(up.target)]
-    return None
+                if not _is_mul(product):
+                    continue
+                for operand in product.args:
+                    up = _peel(operand)
+                    taken = {name for pair in pairs for name in pair}
+                    if up in nodes and up is not gate and not {gate.target, up.target} & taken:
+                        pairs.append((str(gate.target), str(up.target)))
+    return pairs
 
 
 def _is_mul(node: fx.Node) -> bool:

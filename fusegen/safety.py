@@ -128,7 +128,12 @@ def _bindings(funcdef: ast.FunctionDef):
 
 
 def check_not_rebound(region: list[ast.stmt], tracked: set[str]) -> None:
-    """Refuse if the region assigns or deletes a name the input may alias."""
+    """Refuse if the region assigns or deletes a name the input expression reads.
+
+    Each later projection re-evaluates its input expression; the merged call
+    evaluates it once, before the region. Rebinding an alias is harmless (the
+    input's storage is untouched), so only the input's own names count here.
+    """
     for stmt in region:
         for node in ast.walk(stmt):
             if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) and node.id in tracked:
@@ -279,8 +284,9 @@ def check_input_stable(
     projection_calls: list[ast.Call],
 ) -> None:
     """Run every rule; raises `Refused` naming the first that fires."""
-    tracked = aliases(funcdef, input_names(arg), module)
-    check_not_rebound(region, tracked)
+    names = input_names(arg)
+    tracked = aliases(funcdef, names, module)
+    check_not_rebound(region, names)
     check_not_written_through(region, tracked, module)
     check_no_inplace_calls(region, tracked, module)
     check_calls_pure(region, tracked, module, namespace, projection_calls)

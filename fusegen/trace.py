@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 from dataclasses import dataclass
 from unittest import mock
 
@@ -65,6 +66,10 @@ class _MetaProxy(fx.Proxy):
 
     def __iter__(self):
         return iter([self[i] for i in range(len(self))])
+
+    def __setitem__(self, key, value) -> None:
+        # Recorded so the trace goes on; the rewrite stage judges the write itself.
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
     def __bool__(self) -> bool:
         raise TraceStopped(f"control flow depends on the traced value {self.node.name}")

@@ -1,0 +1,51 @@
+"""Stage 8: every candidate class's outcome, for people (text) and tools (JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+
+def report_data(analyses) -> dict:
+    """Plain data: per target, per candidate class, what was fused and what was refused."""
+    return {
+        "targets": [
+            {
+                "target": analysis.target.source,
+                "model_type": analysis.target.model_type,
+                "module": analysis.target.module.__name__,
+                "classes": [
+                    {
+                        "class": outcome.class_name,
+                        "fused": [
+                            {"kind": plan.kind, "merged": plan.merged, "shards": [list(s) for s in plan.shards]}
+                            for plan in outcome.fused
+                        ],
+                        "refused": [
+                            {**asdict(refusal), "projections": list(refusal.projections)}
+                            for refusal in outcome.refused
+                        ],
+                        "trace_stopped": outcome.trace_error,
+                    }
+                    for outcome in analysis.outcomes
+                ],
+            }
+            for analysis in analyses
+        ]
+    }
+
+
+def report_text(analyses) -> str:
+    lines = []
+    for analysis in analyses:
+        lines.append(f"{analysis.target.source} ({analysis.target.module.__name__})")
+        if not analysis.outcomes:
+            lines.append("  no module has two or more linears: nothing to fuse")
+        for outcome in analysis.outcomes:
+            for plan in outcome.fused:
+                lines.append(f"  {outcome.class_name}: fused {plan.describe()}")
+            for refusal in outcome.refused:
+                lines.append(f"  {outcome.class_name}: refused {refusal.describe()}")
+            if not outcome.fused and not outcome.refused:
+                why = f" (trace stopped early: {outcome.trace_error})" if outcome.trace_error else ""
+                lines.append(f"  {outcome.class_name}: no linears share an input{why}")
+    return "\n".join(lines) + "\n"
