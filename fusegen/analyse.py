@@ -20,8 +20,15 @@ from fusegen.rewrite_init import check_no_other_uses, rewrite_init
 from fusegen.trace import trace_module
 
 
-def analyse_class(cls: type, instance: nn.Module, namespace: dict) -> tuple[ClassOutcome, ast.ClassDef | None]:
-    """The outcome for `cls`, and its rewritten class statement if anything was fused."""
+def analyse_class(
+    cls: type, instance: nn.Module, namespace: dict, vetoes: dict[str, str] | None = None
+) -> tuple[ClassOutcome, ast.ClassDef | None]:
+    """The outcome for `cls`, and its rewritten class statement if anything was fused.
+
+    `vetoes` names merged linears refused for reasons found outside the class
+    (checkpoint names shared with an unfused module), with the reason.
+    """
+    vetoes = vetoes or {}
     trace = trace_module(instance)
     outcome = ClassOutcome(cls.__name__, trace_error=trace.error)
     plans = find_groups(trace.graph, instance)
@@ -37,6 +44,8 @@ def analyse_class(cls: type, instance: nn.Module, namespace: dict) -> tuple[Clas
     for plan in plans:
         candidate = copy.deepcopy(classdef)
         try:
+            if plan.merged in vetoes:
+                raise Refused("ambiguous-checkpoint-names", vetoes[plan.merged])
             if plan.merged in taken:
                 raise Refused("name-clash", f"the class already uses the name {plan.merged}", taken[plan.merged])
             check_no_other_uses(candidate, plan)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ast
 import hashlib
 import inspect
+import sys
 from dataclasses import dataclass
+from types import ModuleType
 
 import transformers
 from torch import nn
@@ -29,7 +31,7 @@ class Analysis:
     target: Target
     model: nn.Module
     outcomes: list[ClassOutcome]
-    rewritten: dict[str, ast.ClassDef]
+    rewritten: dict[type, ast.ClassDef]
     """Rewritten class statements of the classes with at least one fusion."""
 
 
@@ -45,13 +47,16 @@ def analyse(name: str) -> Analysis:
     """Stages 1-5: every candidate class's outcome, and the rewritten classes."""
     target = resolve(name)
     model = instantiate(target)
-    namespace = vars(target.module)
-    outcomes, rewritten = [], {}
-    for cls, instance in candidates(model).items():
-        outcome, classdef = analyse_class(cls, instance, namespace)
-        outcomes.append(outcome)
-        if classdef is not None:
-            rewritten[cls.__name__] = classdef
+    found = candidates(model)
+    results = {cls: analyse_class(cls, instance, vars(sys.modules[cls.__module__])) for cls, instance in found.items()}
+    vetoes = checkpoint_conflicts(model, [outcome for outcome, _ in results.values()])
+    while vetoes:
+        for cls, instance in found.items():
+            if cls.__name__ in vetoes:
+                results[cls] = analyse_class(cls, instance, vars(sys.modules[cls.__module__]), vetoes[cls.__name__])
+        vetoes = checkpoint_conflicts(model, [outcome for outcome, _ in results.values()])
+    outcomes = [outcome for outcome, _ in results.values()]
+    rewritten = {cls: classdef for cls, (_, classdef) in results.items() if classdef is not None}
     return Analysis(target, model, outcomes, rewritten)
 
 
@@ -63,10 +68,13 @@ def build(name: str) -> BuildResult:
         return BuildResult(target, outcomes, None)
     emitted = classes_to_emit(target.module, model, rewritten)
     renames = {name: fused_name(name) for name in emitted}
-    for classdef in emitted.values():
-        rename_classes(classdef, renames)
-    sources = [ast.unparse(classdef) for classdef in emitted.values()]
-    used = global_names("\n\n".join(sources)) - set(renames.values())
+    used: dict[str, ModuleType] = {}
+    for item in emitted.values():
+        rename_classes(item.classdef, renames)
+        for used_name in global_names(ast.unparse(item.classdef)) - set(renames.values()):
+            _use(used, used_name, item.module)
+    _use(used, REGISTER, None)
+    sources = [ast.unparse(item.classdef) for item in emitted.values()]
     plans = [plan for outcome in outcomes for plan in outcome.fused]
     text = render(
         fusegen_version=fusegen.__version__,
@@ -78,7 +86,7 @@ def build(name: str) -> BuildResult:
         fused_lines=[f"{fused_name(o.class_name)}: {plan.describe()}" for o in outcomes for plan in o.fused],
         refused_lines=[f"{o.class_name}: {refusal.describe()}" for o in outcomes for refusal in o.refused],
         causal_lm=target.causal_lm.__name__,
-        imports=import_lines(used | {REGISTER}, target.module, {MERGED_LINEAR, REGISTER}),
+        imports=import_lines(used, {MERGED_LINEAR, REGISTER}),
         stacked_params_mapping=repr(_stacked_mapping(plans)),
         packed_modules_mapping=repr({plan.merged: list(plan.projections) for plan in plans}),
         classes=sources,
@@ -87,6 +95,13 @@ def build(name: str) -> BuildResult:
         exports=repr(sorted(renames.values())),
     )
     return BuildResult(target, outcomes, text)
+
+
+def _use(used: dict[str, ModuleType | None], name: str, module: ModuleType | None) -> None:
+    """Record that `name` is imported from `module`, refusing two different meanings."""
+    previous = used.setdefault(name, module)
+    if previous is not module and getattr(previous, name, None) is not getattr(module, name, None):
+        raise InputError(f"{name} means different things in {previous.__name__} and {module.__name__}")
 
 
 def _stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
@@ -101,32 +116,50 @@ def _stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
     return mapping
 
 
-def _parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[str]]:
-    """For each merged name, the attribute names under which its module sits in the model.
-
-    Checkpoint names are matched on `<parent>.<projection>`, so a same-named
-    projection of an unfused module elsewhere is never swept into a merge. A
-    module held directly in a `ModuleList` has an index for a parent; its
-    projections are matched by bare name instead.
-    """
+def _parent_names(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, set[str]]:
+    """For each merged name, the attribute names under which its modules sit in the model."""
     merged_by_class = {o.class_name: [plan.merged for plan in o.fused] for o in outcomes if o.fused}
-    projections = {plan.merged: plan.projections for o in outcomes for plan in o.fused}
     found: dict[str, set[str]] = {}
     for path, module in model.named_modules():
         for merged in merged_by_class.get(type(module).__name__, []):
             found.setdefault(merged, set()).add(path.rpartition(".")[2])
-    parents = {merged: sorted(names) for merged, names in sorted(found.items()) if not any(n.isdigit() for n in names)}
+    return found
+
+
+def _parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[str]]:
+    """Checkpoint scopes: `<parent>.<projection>` names feed each merged linear.
+
+    Scoping by parent keeps a same-named projection of an unfused module
+    elsewhere out of a merge. A module held directly in a `ModuleList` has an
+    index for a parent; its projections are matched by bare name instead.
+    """
+    found = _parent_names(model, outcomes)
+    return {merged: sorted(names) for merged, names in sorted(found.items()) if not any(n.isdigit() for n in names)}
+
+
+def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
+    """Fusions whose checkpoint names an unfused module shares: `{class: {merged: reason}}`.
+
+    A hybrid model may keep, at the same path (`layers.N.self_attn.q_proj`), a
+    fused attention in some layers and an unfused one in others; the
+    checkpoint cannot say which tensors to merge, so such a fusion is refused.
+    """
+    parents = _parents(model, outcomes)
+    fused_classes = {o.class_name: o for o in outcomes if o.fused}
+    conflicts: dict[str, dict[str, str]] = {}
     for path, module in model.named_modules():
-        if type(module).__name__ in merged_by_class:
+        if type(module).__name__ in fused_classes:
             continue
-        for merged, names in projections.items():
-            scoped = merged not in parents or path.rpartition(".")[2] in parents[merged]
-            if scoped and any(isinstance(getattr(module, name, None), nn.Module) for name in names):
-                raise InputError(
-                    f"{path} ({type(module).__name__}) is not fused but its projections have the checkpoint names "
-                    f"of the fused {merged}; loading could not tell them apart"
-                )
-    return parents
+        for outcome in fused_classes.values():
+            for plan in outcome.fused:
+                scoped = plan.merged not in parents or path.rpartition(".")[2] in parents[plan.merged]
+                if scoped and any(isinstance(getattr(module, name, None), nn.Module) for name in plan.projections):
+                    conflicts.setdefault(outcome.class_name, {}).setdefault(
+                        plan.merged,
+                        f"{path} ({type(module).__name__}) keeps unfused projections under the same checkpoint "
+                        "names, so loading could not tell which tensors to merge",
+                    )
+    return conflicts
 
 
 def _checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str]) -> list[str]:

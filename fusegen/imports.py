@@ -36,15 +36,20 @@ def global_names(source: str) -> set[str]:
     return used - defined
 
 
-def import_lines(names: set[str], source_module: ModuleType, runtime_names: set[str]) -> list[str]:
-    """Sorted import statements binding `names` as they are bound in `source_module`."""
-    namespace = vars(source_module)
+def import_lines(used: dict[str, ModuleType | None], runtime_names: set[str]) -> list[str]:
+    """Sorted import statements binding each name as its module binds it.
+
+    `used` maps each name to the modeling module whose code reads it (None
+    for names of `fusegen.runtime`).
+    """
     plain: set[str] = set()
     from_imports: dict[str, set[str]] = {}
-    for name in sorted(names):
+    for name in sorted(used):
+        source_module = used[name]
         if name in runtime_names:
             from_imports.setdefault(RUNTIME_MODULE, set()).add(name)
             continue
+        namespace = vars(source_module)
         if name not in namespace:
             if hasattr(builtins, name):
                 continue

@@ -10,6 +10,8 @@ generated file holds a self-contained tree from the causal LM down.
 from __future__ import annotations
 
 import ast
+import sys
+from dataclasses import dataclass
 from types import ModuleType
 
 from torch import nn
@@ -25,18 +27,34 @@ def fused_name(name: str) -> str:
     return PREFIX + name
 
 
-def classes_to_emit(
-    module: ModuleType, model: nn.Module, rewritten: dict[str, ast.ClassDef]
-) -> dict[str, ast.ClassDef]:
-    """Class statements to emit, keyed by original name, in source order.
+@dataclass
+class Emitted:
+    """A class statement to write into the generated file, and the module it came from."""
 
-    `rewritten` holds the fused classes; any class of the model's own module
+    classdef: ast.ClassDef
+    module: ModuleType
+
+
+def classes_to_emit(
+    target_module: ModuleType, model: nn.Module, rewritten: dict[type, ast.ClassDef]
+) -> dict[str, Emitted]:
+    """Class statements to emit, keyed by original name, each after what its body needs.
+
+    `rewritten` holds the fused classes; any class the model is built from
     that uses one of the emitted names (in its body or bases) joins them,
-    until nothing more changes.
+    until nothing more changes. A class may live in another model's module
+    (`got_ocr2` builds on other models' classes); it is read in its own
+    module's terms.
     """
-    universe = _model_classes(module, model)
-    sources: dict[str, ast.ClassDef] = {}
-    emitted = dict(rewritten)
+    universe = _model_classes(target_module, model)
+    by_name: dict[str, type] = {}
+    for cls in [*rewritten, *universe]:
+        if by_name.setdefault(cls.__name__, cls) is not cls:
+            raise InputError(
+                f"two classes named {cls.__name__} ({cls.__module__}, {by_name[cls.__name__].__module__})"
+            )
+    emitted = {cls.__name__: Emitted(classdef, sys.modules[cls.__module__]) for cls, classdef in rewritten.items()}
+    sources: dict[str, ast.ClassDef | Refused] = {}
     changed = True
     while changed:
         changed = False
@@ -49,25 +67,55 @@ def classes_to_emit(
                 except Refused as refusal:
                     sources[cls.__name__] = refusal
             classdef = sources[cls.__name__]
-            if isinstance(classdef, Refused):
-                continue
-            if astutil.loaded_names(classdef) & set(emitted):
-                emitted[cls.__name__] = classdef
+            if not isinstance(classdef, Refused) and astutil.loaded_names(classdef) & set(emitted):
+                emitted[cls.__name__] = Emitted(classdef, sys.modules[cls.__module__])
                 changed = True
     for cls in universe:
         if isinstance(sources.get(cls.__name__), Refused) and _uses_any(cls, emitted):
             raise InputError(f"{cls.__name__} must be regenerated but {sources[cls.__name__].reason}")
-    return dict(sorted(emitted.items(), key=lambda item: item[1].lineno))
+    return _definition_order(emitted, target_module)
 
 
-def _model_classes(module: ModuleType, model: nn.Module) -> list[type]:
-    """Classes defined in `module` that the model is built from (modules and bases)."""
-    seen: dict[str, type] = {}
+def _definition_order(emitted: dict[str, Emitted], target_module: ModuleType) -> dict[str, Emitted]:
+    """Source order, adjusted so every class follows the classes its bases and body name."""
+    pending = sorted(
+        emitted,
+        key=lambda name: (
+            emitted[name].module is target_module,
+            emitted[name].module.__name__,
+            emitted[name].classdef.lineno,
+        ),
+    )
+    needs = {name: _class_level_names(emitted[name].classdef) & set(emitted) - {name} for name in emitted}
+    ordered: dict[str, Emitted] = {}
+    while pending:
+        ready = next((name for name in pending if needs[name] <= set(ordered)), None)
+        if ready is None:
+            raise InputError(f"the classes {', '.join(pending)} need each other at class level")
+        ordered[ready] = emitted[ready]
+        pending.remove(ready)
+    return ordered
+
+
+def _class_level_names(classdef: ast.ClassDef) -> set[str]:
+    """Names evaluated when the class statement runs (bases, decorators, attributes), not in methods."""
+    parts = [*classdef.bases, *classdef.keywords, *classdef.decorator_list]
+    parts += [stmt for stmt in classdef.body if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return set().union(*(astutil.loaded_names(part) for part in parts)) if parts else set()
+
+
+def _model_classes(target_module: ModuleType, model: nn.Module) -> list[type]:
+    """Model-specific classes the model is built from (module classes and their bases).
+
+    Classes of the target module or of any Transformers model module count;
+    Transformers' shared machinery (`PreTrainedModel`, `GenerationMixin`) does not.
+    """
+    seen: dict[type, None] = {}
     for instance in model.modules():
         for cls in type(instance).__mro__:
-            if cls.__module__ == module.__name__ and cls.__name__ not in seen:
-                seen[cls.__name__] = cls
-    return list(seen.values())
+            if cls.__module__ == target_module.__name__ or cls.__module__.startswith("transformers.models."):
+                seen.setdefault(cls)
+    return list(seen)
 
 
 def _uses_any(cls: type, names: dict) -> bool:
