@@ -81,6 +81,7 @@ def build(name: str) -> BuildResult:
         transformers_version=transformers.__version__,
         source_module=target.module.__name__,
         model_type=target.model_type,
+        model_type_repr=repr(target.model_type),
         build_target=target.source,
         fingerprint=hashlib.sha256(inspect.getsource(target.module).encode()).hexdigest(),
         fused_lines=[f"{fused_name(o.class_name)}: {plan.describe()}" for o in outcomes for plan in o.fused],

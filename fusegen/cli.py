@@ -29,6 +29,8 @@ def make_parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 and print a diff if DIR is out of date"
     )
+    build.add_argument("--all", action="store_true", help="every causal-LM model type of the installed Transformers")
+    build.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes for --all (default 1)")
 
     report = commands.add_parser("report", help="show what would be fused or refused, and why")
     report.add_argument("targets", nargs="+", metavar="TARGET")
@@ -55,6 +57,10 @@ def _build(args) -> int:
     from fusegen.build import build
     from fusegen.writer import drift, output_path, recorded_targets, write_atomic
 
+    if args.all:
+        if args.targets or args.check:
+            raise InputError("--all takes no TARGET and cannot be combined with --check")
+        return _build_all(args)
     targets = list(dict.fromkeys(args.targets))
     if not targets:
         if not args.check:
@@ -90,12 +96,33 @@ def _build(args) -> int:
 
 
 def _summary(result) -> str:
-    fused = [f"{o.class_name}.{plan.merged}" for o in result.outcomes for plan in o.fused]
-    refused = sum(len(o.refused) for o in result.outcomes)
-    parts = [f"fused {', '.join(fused)}" if fused else "fused nothing"]
-    if refused:
-        parts.append(f"{refused} refused, see the file header")
-    return "; ".join(parts)
+    from fusegen.sweep import summarise
+
+    summary = summarise(result.outcomes)
+    return summary + ", see the file header" if "refused" in summary else summary
+
+
+def _build_all(args) -> int:
+    import time
+
+    from fusegen.resolve import causal_lm_types
+    from fusegen.sweep import sweep
+    from fusegen.writer import output_path, write_atomic
+
+    start = time.perf_counter()
+    model_types = causal_lm_types()
+    counts: dict[str, int] = {}
+    for done, entry in enumerate(sweep(model_types, args.jobs), start=1):
+        counts[entry.status] = counts.get(entry.status, 0) + 1
+        detail = entry.summary or entry.error.strip().splitlines()[-1]
+        if entry.text is not None:
+            write_atomic(output_path(args.output_dir, entry.model_type), entry.text)
+        print(
+            f"[{done:>{len(str(len(model_types)))}}/{len(model_types)}] {entry.model_type}: {entry.status}: {detail}"
+        )
+    totals = ", ".join(f"{counts.get(status, 0)} {status}" for status in ("fused", "nothing", "error", "crash"))
+    print(f"{len(model_types)} model types in {time.perf_counter() - start:.1f} s ({args.jobs} jobs): {totals}")
+    return EXIT_ERROR if counts.get("crash") else EXIT_OK
 
 
 def _report(args) -> int:

@@ -13,24 +13,22 @@ def report_data(analyses) -> dict:
                 "target": analysis.target.source,
                 "model_type": analysis.target.model_type,
                 "module": analysis.target.module.__name__,
-                "classes": [
-                    {
-                        "class": outcome.class_name,
-                        "fused": [
-                            {"kind": plan.kind, "merged": plan.merged, "shards": [list(s) for s in plan.shards]}
-                            for plan in outcome.fused
-                        ],
-                        "refused": [
-                            {**asdict(refusal), "projections": list(refusal.projections)}
-                            for refusal in outcome.refused
-                        ],
-                        "trace_stopped": outcome.trace_error,
-                    }
-                    for outcome in analysis.outcomes
-                ],
+                "classes": [outcome_data(outcome) for outcome in analysis.outcomes],
             }
             for analysis in analyses
         ]
+    }
+
+
+def outcome_data(outcome) -> dict:
+    return {
+        "class": outcome.class_name,
+        "fused": [
+            {"kind": plan.kind, "merged": plan.merged, "shards": [list(shard) for shard in plan.shards]}
+            for plan in outcome.fused
+        ],
+        "refused": [{**asdict(refusal), "projections": list(refusal.projections)} for refusal in outcome.refused],
+        "trace_stopped": outcome.trace_error,
     }
 
 

@@ -321,7 +321,10 @@ class FusedLlamaForCausalLM(FusedLlamaPreTrainedModel, GenerationMixin):
 
 
 register_stacked_checkpoint(
-    ["FusedLlamaModel"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]}
+    ["FusedLlamaModel"],
+    STACKED_PARAMS_MAPPING,
+    parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]},
+    model_type="llama",
 )
 
 __all__ = [

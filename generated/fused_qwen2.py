@@ -329,7 +329,10 @@ class FusedQwen2ForCausalLM(FusedQwen2PreTrainedModel, GenerationMixin):
 
 
 register_stacked_checkpoint(
-    ["FusedQwen2Model"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]}
+    ["FusedQwen2Model"],
+    STACKED_PARAMS_MAPPING,
+    parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]},
+    model_type="qwen2",
 )
 
 __all__ = [
