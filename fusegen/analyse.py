@@ -13,8 +13,8 @@ import inspect
 from torch import nn
 
 from fusegen import astutil
-from fusegen.match import find_groups
-from fusegen.plan import ClassOutcome, Refusal, Refused
+from fusegen.match import find_groups, merged_name
+from fusegen.plan import ClassOutcome, FusionPlan, Refusal, Refused
 from fusegen.rewrite_forward import rewrite_forward
 from fusegen.rewrite_init import check_no_other_uses, rewrite_init
 from fusegen.trace import trace_module
@@ -41,7 +41,9 @@ def analyse_class(
         return outcome, None
     taken = {name: None for name, _ in instance.named_children()}
     taken.update({node.attr: node for node in ast.walk(classdef) if astutil.self_attr(node)})
-    for plan in plans:
+    queue = list(plans)
+    while queue:
+        plan = queue.pop(0)
         candidate = copy.deepcopy(classdef)
         try:
             if plan.merged in vetoes:
@@ -53,11 +55,36 @@ def analyse_class(
             rewrite_forward(astutil.method(candidate, "forward"), plan, instance, namespace)
         except Refused as refusal:
             outcome.refused.append(Refusal(plan.projections, refusal.rule, refusal.reason, refusal.line))
+            if refusal.rule == "different-inputs":
+                queue.extend(_same_spelling_subplans(astutil.method(classdef, "forward"), plan))
             continue
         classdef = candidate
         taken[plan.merged] = None
         outcome.fused.append(plan)
     return outcome, (classdef if outcome.fused else None)
+
+
+def _same_spelling_subplans(forward: ast.FunctionDef, plan: FusionPlan) -> list[FusionPlan]:
+    """Smaller groups of `plan` whose calls spell their input the same way.
+
+    A cross-attention-capable layer feeds q from `hidden_states` but k and v
+    from `current_states` (which is `hidden_states` only in self-attention):
+    q cannot join them, but k and v still read one value and merge into `kv_proj`.
+    """
+    groups: dict[str, list[str]] = {}
+    for name in plan.projections:
+        calls = [
+            node
+            for node in ast.walk(forward)
+            if isinstance(node, ast.Call) and astutil.self_attr(node.func, name) and len(node.args) == 1
+        ]
+        if len(calls) == 1:
+            groups.setdefault(ast.dump(calls[0].args[0], include_attributes=False), []).append(name)
+    return [
+        FusionPlan("merged_column", merged_name(names), tuple((name, index) for index, name in enumerate(names)))
+        for names in groups.values()
+        if 2 <= len(names) < len(plan.projections)
+    ]
 
 
 def _fusable_source(cls: type) -> ast.ClassDef:

@@ -13,6 +13,7 @@ import transformers
 from torch import nn
 
 import fusegen
+from fusegen import astutil
 from fusegen.analyse import analyse_class
 from fusegen.errors import InputError
 from fusegen.imports import global_names, import_lines
@@ -24,6 +25,12 @@ from fusegen.resolve import Target, resolve
 from fusegen.rewrite_init import MERGED_LINEAR
 
 REGISTER = "register_stacked_checkpoint"
+STREAM = "stream_weights"
+LOAD_WEIGHTS_METHOD = '''
+def load_weights(self, weights):
+    """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model."""
+    return stream_weights(self, weights)
+'''
 
 
 @dataclass
@@ -68,12 +75,16 @@ def build(name: str) -> BuildResult:
         return BuildResult(target, outcomes, None)
     emitted = classes_to_emit(target.module, model, rewritten)
     renames = {name: fused_name(name) for name in emitted}
+    causal_lm = emitted[target.causal_lm.__name__].classdef
+    if astutil.method(causal_lm, "load_weights") is None:
+        causal_lm.body.append(ast.parse(LOAD_WEIGHTS_METHOD).body[0])
     used: dict[str, ModuleType] = {}
     for item in emitted.values():
         rename_classes(item.classdef, renames)
         for used_name in global_names(ast.unparse(item.classdef)) - set(renames.values()):
             _use(used, used_name, item.module)
     _use(used, REGISTER, None)
+    _use(used, STREAM, None)
     sources = [ast.unparse(item.classdef) for item in emitted.values()]
     plans = [plan for outcome in outcomes for plan in outcome.fused]
     text = render(
@@ -87,7 +98,7 @@ def build(name: str) -> BuildResult:
         fused_lines=[f"{fused_name(o.class_name)}: {plan.describe()}" for o in outcomes for plan in o.fused],
         refused_lines=[f"{o.class_name}: {refusal.describe()}" for o in outcomes for refusal in o.refused],
         causal_lm=target.causal_lm.__name__,
-        imports=import_lines(used, {MERGED_LINEAR, REGISTER}),
+        imports=import_lines(used, {MERGED_LINEAR, REGISTER, STREAM}),
         stacked_params_mapping=repr(_stacked_mapping(plans)),
         packed_modules_mapping=repr({plan.merged: list(plan.projections) for plan in plans}),
         classes=sources,

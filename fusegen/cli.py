@@ -37,6 +37,11 @@ def make_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print the outcomes as JSON")
 
     commands.add_parser("list", help="list the causal-LM model types Transformers knows")
+
+    from fusegen import convert, verify
+
+    convert.add_parser(commands).set_defaults(run=convert.run)
+    verify.add_parser(commands).set_defaults(run=verify.run)
     return parser
 
 
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             return _build(args)
         if args.command == "report":
             return _report(args)
+        if args.command in ("convert", "verify"):
+            return args.run(args)
         return _list()
     except FusegenError as error:
         print(f"fusegen: error: {error}", file=sys.stderr)

@@ -42,7 +42,7 @@ from transformers.models.llama.modeling_llama import (
     use_kernelized_func,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint
+from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {
     "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
@@ -318,6 +318,10 @@ class FusedLlamaForCausalLM(FusedLlamaPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def load_weights(self, weights):
+        """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model."""
+        return stream_weights(self, weights)
 
 
 register_stacked_checkpoint(

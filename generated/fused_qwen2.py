@@ -44,7 +44,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
     use_kernelized_func,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint
+from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {
     "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
@@ -326,6 +326,10 @@ class FusedQwen2ForCausalLM(FusedQwen2PreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def load_weights(self, weights):
+        """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model."""
+        return stream_weights(self, weights)
 
 
 register_stacked_checkpoint(

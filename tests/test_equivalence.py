@@ -148,3 +148,15 @@ def test_loading_logs_no_warnings(checkpoint, caplog):
     finally:
         hf_logging.disable_propagation()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_load_weights_streams_canonical_pairs(checkpoint):
+    from safetensors.torch import load_file
+
+    path, original = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    fused = FusedLlamaForCausalLM(original.config).eval()
+    loaded = fused.load_weights(load_file(path / "model.safetensors").items())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in loaded
+    input_ids = torch.arange(10).unsqueeze(0)
+    with torch.no_grad():
+        assert (original(input_ids).logits - fused(input_ids).logits).abs().max().item() <= TOLERANCE

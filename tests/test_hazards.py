@@ -377,8 +377,7 @@ def test_hazard_is_refused_with_its_rule(case_path, name):
     block = outcome(write_case(case_path, name, init, forward))
     (refusal,) = [refusal for refusal in block.refused if refusal.rule == rule] or [block.refused]
     assert refusal.reason and refusal.line, refusal
-    fused = {name for plan in block.fused for name in plan.projections}
-    assert not fused & set(refusal.projections)
+    assert refusal.projections not in [plan.projections for plan in block.fused]
 
 
 @pytest.mark.parametrize("name", sorted(SAFE))
@@ -452,3 +451,27 @@ def test_module_without_causal_lm_is_an_input_error(case_path):
     (case_path / "plain_pkg" / "modeling_plain.py").write_text("X = 1\n")
     with pytest.raises(InputError, match="defines no causal-LM classes"):
         analyse("plain_pkg.modeling_plain")
+
+
+def test_kv_fused_when_q_reads_another_spelling(case_path, tmp_path):
+    # The cross-attention-capable shape: k and v read `current`, which is `x` only when self-attending.
+    forward = (
+        "        q = self.q_proj(x)\n"
+        "        current = x if self.flag else x.flip(1)\n"
+        "        k = self.k_proj(current)\n        v = self.v_proj(current)\n" + RETURN
+    )
+    dotted = write_case(case_path, "cross_style", "", forward)
+    block = outcome(dotted)
+    assert [(plan.kind, plan.merged) for plan in block.fused] == [("merged_column", "kv_proj")]
+    assert [refusal.rule for refusal in block.refused] == ["different-inputs"]
+    (case_path / "hazard_cases" / "fused_cross_style.py").write_text(build(dotted).text)
+    original_module = importlib.import_module(dotted)
+    fused_module = importlib.import_module("hazard_cases.fused_cross_style")
+    for flag in (True, False):
+        torch.manual_seed(0)
+        original = original_module.ToyForCausalLM(original_module.ToyConfig(flag=flag)).eval()
+        original.save_pretrained(tmp_path / str(flag))
+        fused = fused_module.FusedToyForCausalLM.from_pretrained(tmp_path / str(flag)).eval()
+        input_ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert torch.allclose(original(input_ids).logits, fused(input_ids).logits, atol=1e-6, rtol=0)

@@ -463,7 +463,7 @@ def test_runtime_imports_only_torch_and_transformers():
 
     Checked on the source (not sys.modules): `import transformers` itself already imports jinja2.
     """
-    allowed = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
+    allowed = {"torch", "transformers", "safetensors", "__future__"} | set(sys.stdlib_module_names)
     for file in pathlib.Path(fusegen.runtime.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.Import):
