@@ -6,7 +6,7 @@ import ast
 import hashlib
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import transformers
@@ -48,6 +48,8 @@ class BuildResult:
     outcomes: list[ClassOutcome]
     text: str | None
     """The generated module, or None when nothing could be fused."""
+    fused_classes: list[type] = field(default_factory=list)
+    """The original classes that were rewritten (in analysis order)."""
 
 
 def analyse(name: str) -> Analysis:
@@ -106,7 +108,7 @@ def build(name: str) -> BuildResult:
         parents=repr(_parents(model, outcomes)),
         exports=repr(sorted(renames.values())),
     )
-    return BuildResult(target, outcomes, text)
+    return BuildResult(target, outcomes, text, list(rewritten))
 
 
 def _use(used: dict[str, ModuleType | None], name: str, module: ModuleType | None) -> None:

@@ -1,15 +1,23 @@
-"""`fusegen` command line. Exit codes: 0 ok, 1 drift found, 2 bad usage or input."""
+"""`fusegen` command line.
+
+Exit codes: 0 ok, 1 drift found (or a verified model out of tolerance), 2 bad usage or input.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import fusegen
 from fusegen.errors import FusegenError, InputError
 
 EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
+SWEEP_SUMMARY = "fusegen-sweep.json"
+"""What `build --all` leaves in the output directory for `fusegen list` to read."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -18,59 +26,98 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_ERROR, f"fusegen: error: {message}\n")
 
 
+class Console:
+    """Where messages go: `-q` silences progress, `-v` adds detail; errors always show."""
+
+    def __init__(self, verbosity: int):
+        self.verbosity = verbosity
+
+    def info(self, message: str) -> None:
+        if self.verbosity >= 0:
+            print(message)
+
+    def detail(self, message: str) -> None:
+        if self.verbosity > 0:
+            print(message)
+
+    def diff(self, text: str) -> None:
+        sys.stdout.write(colourise(text) if sys.stdout.isatty() and "NO_COLOR" not in os.environ else text)
+
+
+def colourise(diff: str) -> str:
+    colours = {"+": "\033[32m", "-": "\033[31m", "@": "\033[36m"}
+    out = []
+    for line in diff.splitlines(keepends=True):
+        colour = None if line.startswith(("+++", "---")) else colours.get(line[:1])
+        out.append(f"{colour}{line.rstrip(chr(10))}\033[0m\n" if colour else line)
+    return "".join(out)
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fusegen", description=__doc__)
+    common = argparse.ArgumentParser(add_help=False)
+    loudness = common.add_mutually_exclusive_group()
+    # SUPPRESS: a subcommand's copy of these options must not reset what was given before it.
+    loudness.add_argument(
+        "-v", "--verbose", action="store_const", const=1, dest="verbosity", default=argparse.SUPPRESS
+    )
+    loudness.add_argument("-q", "--quiet", action="store_const", const=-1, dest="verbosity", default=argparse.SUPPRESS)
+
+    parser = _Parser(prog="fusegen", description=__doc__, parents=[common])
     parser.add_argument("--version", action="version", version=f"fusegen {fusegen.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    build = commands.add_parser("build", help="write fused model files (or check them with --check)")
-    build.add_argument("targets", nargs="*", metavar="TARGET", help="Transformers model type, e.g. llama")
+    build = commands.add_parser("build", parents=[common], help="write fused model files, or check them")
+    build.add_argument("targets", nargs="*", metavar="TARGET", help="model type (llama) or module path")
     build.add_argument("--output-dir", type=Path, default=Path("generated"), metavar="DIR")
-    build.add_argument(
-        "--check", action="store_true", help="write nothing; exit 1 and print a diff if DIR is out of date"
-    )
+    build.add_argument("--check", action="store_true", help="write nothing; exit 1 if DIR is out of date")
+    build.add_argument("--diff", action="store_true", help="write nothing; print the diff of each stale file")
     build.add_argument("--all", action="store_true", help="every causal-LM model type of the installed Transformers")
     build.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes for --all (default 1)")
+    build.set_defaults(handler=_build)
 
-    report = commands.add_parser("report", help="show what would be fused or refused, and why")
+    diff = commands.add_parser("diff", parents=[common], help="show what fusion changed in each fused class")
+    diff.add_argument("targets", nargs="+", metavar="TARGET")
+    diff.set_defaults(handler=_diff)
+
+    report = commands.add_parser("report", parents=[common], help="show what would be fused or refused, and why")
     report.add_argument("targets", nargs="+", metavar="TARGET")
     report.add_argument("--json", action="store_true", help="print the outcomes as JSON")
+    report.set_defaults(handler=_report)
 
-    commands.add_parser("list", help="list the causal-LM model types Transformers knows")
+    listing = commands.add_parser("list", parents=[common], help="model types and what fusegen made of them")
+    listing.add_argument("--output-dir", type=Path, default=Path("generated"), metavar="DIR")
+    listing.set_defaults(handler=_list)
 
     from fusegen import convert, verify
 
-    convert.add_parser(commands).set_defaults(run=convert.run)
-    verify.add_parser(commands).set_defaults(run=verify.run)
+    convert.add_parser(commands).set_defaults(handler=lambda args, console: convert.run(args))
+    verify.add_parser(commands).set_defaults(handler=lambda args, console: verify.run(args))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    console = Console(getattr(args, "verbosity", 0))
+    if console.verbosity < 0:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
-        if args.command == "build":
-            return _build(args)
-        if args.command == "report":
-            return _report(args)
-        if args.command in ("convert", "verify"):
-            return args.run(args)
-        return _list()
+        return args.handler(args, console)
     except FusegenError as error:
         print(f"fusegen: error: {error}", file=sys.stderr)
         return error.exit_code
 
 
-def _build(args) -> int:
+def _build(args, console: Console) -> int:
     from fusegen.build import build
     from fusegen.writer import drift, output_path, recorded_targets, write_atomic
 
     if args.all:
-        if args.targets or args.check:
-            raise InputError("--all takes no TARGET and cannot be combined with --check")
-        return _build_all(args)
+        if args.targets or args.check or args.diff:
+            raise InputError("--all takes no TARGET and cannot be combined with --check or --diff")
+        return _build_all(args, console)
     targets = list(dict.fromkeys(args.targets))
     if not targets:
-        if not args.check:
+        if not (args.check or args.diff):
             raise InputError("name at least one TARGET (e.g. `fusegen build llama`), or pass --check")
         recorded = recorded_targets(args.output_dir)
         unknown = [str(path) for path, target in recorded.items() if target is None]
@@ -84,21 +131,23 @@ def _build(args) -> int:
     status = EXIT_OK
     for result in results:
         path = output_path(args.output_dir, result.target.model_type)
-        summary = _summary(result)
         if result.text is None:
-            print(f"{result.target.model_type}: nothing to fuse ({summary}); no file written")
+            console.info(f"{result.target.source}: nothing to fuse ({_summary(result)}); no file written")
             continue
-        if args.check:
-            diff = drift(path, result.text)
-            if diff is not None:
-                status = EXIT_DRIFT
-                print(f"would regenerate {path}", file=sys.stderr)
-                sys.stdout.write(diff)
-            else:
-                print(f"{path} is up to date")
+        if args.check or args.diff:
+            stale = drift(path, result.text)
+            if stale is None:
+                console.info(f"{path} is up to date")
+                continue
+            print(f"would regenerate {path}", file=sys.stderr)
+            console.diff(stale)  # the diff is the point of --check in CI logs, so -q keeps it
+            status = EXIT_DRIFT if args.check else status
         else:
             write_atomic(path, result.text)
-            print(f"wrote {path} ({summary})")
+            console.info(f"wrote {path} ({_summary(result)})")
+        for outcome in result.outcomes:
+            for refusal in outcome.refused:
+                console.detail(f"  {outcome.class_name}: refused {refusal.describe()}")
     return status
 
 
@@ -109,32 +158,47 @@ def _summary(result) -> str:
     return summary + ", see the file header" if "refused" in summary else summary
 
 
-def _build_all(args) -> int:
-    import time
-
+def _build_all(args, console: Console) -> int:
     from fusegen.resolve import causal_lm_types
     from fusegen.sweep import sweep
     from fusegen.writer import output_path, write_atomic
 
     start = time.perf_counter()
     model_types = causal_lm_types()
-    counts: dict[str, int] = {}
+    width = len(str(len(model_types)))
+    summary: dict[str, dict] = {}
     for done, entry in enumerate(sweep(model_types, args.jobs), start=1):
-        counts[entry.status] = counts.get(entry.status, 0) + 1
         detail = entry.summary or entry.error.strip().splitlines()[-1]
         if entry.text is not None:
             write_atomic(output_path(args.output_dir, entry.model_type), entry.text)
-        print(
-            f"[{done:>{len(str(len(model_types)))}}/{len(model_types)}] {entry.model_type}: {entry.status}: {detail}"
-        )
-    totals = ", ".join(f"{counts.get(status, 0)} {status}" for status in ("fused", "nothing", "error", "crash"))
-    print(f"{len(model_types)} model types in {time.perf_counter() - start:.1f} s ({args.jobs} jobs): {totals}")
-    return EXIT_ERROR if counts.get("crash") else EXIT_OK
+        summary[entry.model_type] = {"status": entry.status, "detail": detail}
+        console.info(f"[{done:>{width}}/{len(model_types)}] {entry.model_type}: {entry.status}: {detail}")
+    counts = {status: sum(1 for e in summary.values() if e["status"] == status) for status in _STATUSES}
+    totals = ", ".join(f"{count} {status}" for status, count in counts.items())
+    path = args.output_dir / SWEEP_SUMMARY
+    write_atomic(path, json.dumps(dict(sorted(summary.items())), indent=1, sort_keys=True) + "\n")
+    console.info(f"{len(model_types)} model types in {time.perf_counter() - start:.1f} s ({args.jobs} jobs): {totals}")
+    console.info(f"outcomes saved to {path} (read by `fusegen list`)")
+    return EXIT_ERROR if counts["crash"] else EXIT_OK
 
 
-def _report(args) -> int:
-    import json
+_STATUSES = ("fused", "nothing", "error", "crash")
 
+
+def _diff(args, console: Console) -> int:
+    from fusegen.build import build
+    from fusegen.classdiff import class_diffs
+
+    for target in dict.fromkeys(args.targets):
+        result = build(target)
+        if result.text is None:
+            console.info(f"{target}: nothing fused, nothing to diff")
+        for diff in class_diffs(result) if result.text else []:
+            console.diff(diff)
+    return EXIT_OK
+
+
+def _report(args, console: Console) -> int:
     from fusegen.build import analyse
     from fusegen.report import report_data, report_text
 
@@ -146,11 +210,22 @@ def _report(args) -> int:
     return EXIT_OK
 
 
-def _list() -> int:
+def _list(args, console: Console) -> int:
+    """Each model type with the outcome on record: a generated file's header, else the last `build --all`."""
     from fusegen.resolve import causal_lm_types
+    from fusegen.writer import recorded_targets
 
-    for name in causal_lm_types():
-        print(name)
+    built = {target: path for path, target in recorded_targets(args.output_dir).items() if target}
+    summary_path = args.output_dir / SWEEP_SUMMARY
+    swept = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    for model_type in causal_lm_types():
+        if model_type in built:
+            outcome = f"fused ({built[model_type]})"
+        elif model_type in swept:
+            outcome = f"{swept[model_type]['status']}: {swept[model_type]['detail']}"
+        else:
+            outcome = "unknown (run `fusegen build --all` or `fusegen report`)"
+        print(f"{model_type}: {outcome}")
     return EXIT_OK
 
 

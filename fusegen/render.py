@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
 import black
@@ -15,11 +14,12 @@ TEMPLATE = "fused_model.py.j2"
 
 
 def template_dir() -> Path:
-    """`templates/` of a source checkout, else the copy packaged as `fusegen.templates`."""
-    checkout = Path(__file__).resolve().parent.parent / "templates"
-    if (checkout / TEMPLATE).is_file():
-        return checkout
-    return Path(str(resources.files("fusegen.templates")))
+    """`templates/` of a source checkout, else the copy a wheel installs as `fusegen/templates`."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package.parent / "templates", package / "templates"):
+        if (candidate / TEMPLATE).is_file():
+            return candidate
+    raise FileNotFoundError(f"{TEMPLATE} is in neither {package.parent / 'templates'} nor {package / 'templates'}")
 
 
 def render(**context) -> str:

@@ -110,4 +110,5 @@ def test_version_and_module_entry_point():
 def test_list_includes_the_model_types():
     result = fusegen("list")
     assert result.returncode == 0
-    assert {"llama", "qwen2"} <= set(result.stdout.split())
+    listed = {line.split(": ", 1)[0] for line in result.stdout.splitlines()}
+    assert {"llama", "qwen2", "mistral"} <= listed
