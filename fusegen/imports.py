@@ -76,4 +76,9 @@ def import_lines(used: dict[str, ModuleType | None], runtime_names: set[str]) ->
 
 
 def _from_line(module_name: str, names: set[str]) -> str:
-    return f"from {module_name} import {', '.join(sorted(names))}"
+    return f"from {module_name} import {', '.join(sorted(names, key=_isort_key))}"
+
+
+def _isort_key(name: str) -> tuple[int, str]:
+    """isort's order-by-type: CONSTANTS, then Classes, then functions and variables."""
+    return (0 if name.isupper() else 1 if name[:1].isupper() else 2, name)

@@ -1,0 +1,71 @@
+"""Every checked-in generated file, beyond llama and qwen2: equivalent to its original on a tiny config."""
+
+import importlib
+
+import pytest
+import torch
+
+from fusegen.resolve import resolve
+
+BASE = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+CONFIGS = {
+    "mistral": {},
+    "qwen3": {"head_dim": 16},  # q/k norms after the projections
+    "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    "olmo2": {},  # full-width q/k norms
+    "granite": {},
+    "starcoder2": {},  # biases; its MLP has no gate/up pair
+    "cohere": {},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16},
+    "deepseek_v3": {
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_fused_model_matches_original(model_type, tmp_path):
+    target = resolve(model_type)
+    config = target.config_class(**{**BASE, **CONFIGS[model_type]})
+    torch.manual_seed(0)
+    original = target.causal_lm(config).eval()
+    with torch.no_grad():
+        for parameter in original.parameters():
+            parameter.normal_(0, 0.1)
+    original.save_pretrained(tmp_path / "original")
+    module = importlib.import_module(f"generated.fused_{model_type}")
+    fused_class = getattr(module, "Fused" + target.causal_lm.__name__)
+    fused, info = fused_class.from_pretrained(tmp_path / "original", output_loading_info=True)
+    assert not any(info.values()), info
+    fused.eval()
+
+    input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (original(input_ids).logits - fused(input_ids).logits).abs().max().item() <= 1e-5
+    kwargs = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    assert torch.equal(original.generate(input_ids[:1, :5], **kwargs), fused.generate(input_ids[:1, :5], **kwargs))
+
+    fused.save_pretrained(tmp_path / "fused")
+    reloaded = target.causal_lm.from_pretrained(tmp_path / "fused")
+    expected, actual = original.state_dict(), reloaded.state_dict()
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
