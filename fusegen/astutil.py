@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import copy
+import functools
 import inspect
-import textwrap
+import linecache
 
 from fusegen.plan import Refused
 
@@ -25,24 +27,32 @@ LOOPS_AND_SCOPES = (
 
 
 def parse_class(cls: type) -> ast.ClassDef:
-    """The class statement of `cls`, with line numbers of its source file.
+    """A fresh copy of the class statement of `cls`, with line numbers of its source file.
 
-    Only classes defined at module level are accepted: a nested class closes
-    over names of its enclosing function, which a copy at module level would
-    not see.
+    Only classes defined once at module level are accepted: a nested class
+    closes over names of its enclosing function, which a copy at module level
+    would not see, and with two definitions the source is ambiguous.
     """
     if cls.__qualname__ != cls.__name__:
         raise Refused("not-module-level", f"{cls.__qualname__} is not defined at module level")
     try:
-        lines, first_line = inspect.getsourcelines(cls)
-    except (OSError, TypeError) as exc:
+        filename = inspect.getsourcefile(cls)
+    except TypeError as exc:
         raise Refused("no-source", f"the source of {cls.__name__} cannot be recovered ({exc})") from exc
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    classdef = tree.body[0]
-    if not isinstance(classdef, ast.ClassDef):
-        raise Refused("no-source", f"the source of {cls.__name__} is not a plain class statement")
-    ast.increment_lineno(classdef, first_line - 1)
-    return classdef
+    found = [
+        node
+        for node in (_module_tree(filename).body if filename else [])
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__
+    ]
+    if len(found) != 1:
+        raise Refused("no-source", f"{cls.__name__} is defined {len(found)} times at the top of {filename}")
+    return copy.deepcopy(found[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _module_tree(filename: str) -> ast.Module:
+    """Each source file is parsed once per process; `parse_class` hands out copies."""
+    return ast.parse("".join(linecache.getlines(filename)), filename)
 
 
 def method(classdef: ast.ClassDef, name: str) -> ast.FunctionDef | None:
