@@ -18,11 +18,12 @@ from fusegen.analyse import analyse_class
 from fusegen.errors import InputError
 from fusegen.imports import global_names, import_lines
 from fusegen.instantiate import candidates, instantiate
-from fusegen.plan import ClassOutcome, FusionPlan
+from fusegen.plan import ClassOutcome, FusionPlan, Refusal
 from fusegen.propagate import classes_to_emit, fused_name, rename_classes
 from fusegen.render import render
 from fusegen.resolve import Target, resolve
 from fusegen.rewrite_init import MERGED_LINEAR
+from fusegen.runtime.tp import fused_plan_from
 
 REGISTER = "register_stacked_checkpoint"
 STREAM = "stream_weights"
@@ -77,16 +78,17 @@ def build(name: str) -> BuildResult:
         return BuildResult(target, outcomes, None)
     emitted = classes_to_emit(target.module, model, rewritten)
     renames = {name: fused_name(name) for name in emitted}
+    if target.causal_lm.__name__ not in emitted:
+        return BuildResult(target, _unreachable(outcomes, target), None)
     causal_lm = emitted[target.causal_lm.__name__].classdef
     if astutil.method(causal_lm, "load_weights") is None:
         causal_lm.body.append(ast.parse(LOAD_WEIGHTS_METHOD).body[0])
-    used: dict[str, ModuleType] = {}
+    used: dict[str, tuple[ModuleType | None, str]] = {}
     for item in emitted.values():
         rename_classes(item.classdef, renames)
-        for used_name in global_names(ast.unparse(item.classdef)) - set(renames.values()):
-            _use(used, used_name, item.module)
-    _use(used, REGISTER, None)
-    _use(used, STREAM, None)
+        for used_name in sorted(global_names(ast.unparse(item.classdef)) - set(renames.values())):
+            _use(used, used_name, item)
+    used[REGISTER] = used[STREAM] = (None, "")
     sources = [ast.unparse(item.classdef) for item in emitted.values()]
     plans = [plan for outcome in outcomes for plan in outcome.fused]
     text = render(
@@ -107,15 +109,48 @@ def build(name: str) -> BuildResult:
         checkpoint_classes=repr(_checkpoint_classes(model, target, renames)),
         parents=repr(_parents(model, outcomes)),
         exports=repr(sorted(renames.values())),
+        **_tensor_parallel(model, plans, _parents(model, outcomes), _checkpoint_classes(model, target, renames)),
     )
     return BuildResult(target, outcomes, text, list(rewritten))
 
 
-def _use(used: dict[str, ModuleType | None], name: str, module: ModuleType | None) -> None:
-    """Record that `name` is imported from `module`, refusing two different meanings."""
-    previous = used.setdefault(name, module)
-    if previous is not module and getattr(previous, name, None) is not getattr(module, name, None):
-        raise InputError(f"{name} means different things in {previous.__name__} and {module.__name__}")
+def _use(used: dict[str, tuple[ModuleType | None, str]], name: str, item) -> None:
+    """Record that `item`'s class reads the global `name` from its module.
+
+    Two modules may bind one name to different objects (each model module has
+    its own `eager_attention_forward`); the later one is then imported under
+    a prefixed alias and its class's references renamed to it.
+    """
+    module = item.module
+    previous = used.setdefault(name, (module, name))[0]
+    if previous is module or getattr(previous, name, None) is getattr(module, name, None):
+        return
+    alias = f"{module.__name__.rpartition('.')[2].removeprefix('modeling_')}_{name}"
+    for node in ast.walk(item.classdef):
+        if isinstance(node, ast.Name) and node.id == name:
+            node.id = alias
+    used[alias] = (module, name)
+
+
+def _unreachable(outcomes: list[ClassOutcome], target: Target) -> list[ClassOutcome]:
+    """The outcomes with every fusion turned into a refusal: the causal LM never builds the fused classes.
+
+    This happens when a model constructs its submodels indirectly
+    (`AutoModel.from_config(config.text_config)`) rather than by class name.
+    """
+    reason = (
+        f"{target.causal_lm.__name__} does not construct this class by name (e.g. it goes through "
+        "AutoModel.from_config), so a fused copy would never be used"
+    )
+    return [
+        ClassOutcome(
+            outcome.class_name,
+            [],
+            outcome.refused + [Refusal(plan.projections, "unreachable", reason) for plan in outcome.fused],
+            outcome.trace_error,
+        )
+        for outcome in outcomes
+    ]
 
 
 def _stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
@@ -190,3 +225,11 @@ def _checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str
         if isinstance(module, PreTrainedModel) and module is not model and name in renames:
             names.append(renames[name])
     return sorted(set(names)) or [renames[target.causal_lm.__name__]]
+
+
+def _tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict, classes: list[str]) -> dict:
+    """Template data for tensor parallelism: the fused form of the config's `base_model_tp_plan` (or why there is
+    none), and the base-model classes whose plans it replaces (see fusegen/runtime/tp.py)."""
+    original = getattr(model.config, "base_model_tp_plan", None)
+    plan, reason = fused_plan_from(original, _stacked_mapping(plans), parents)
+    return {"tp_plan": repr(plan) if plan else None, "tp_reason": reason, "tp_classes": classes}

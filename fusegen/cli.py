@@ -132,7 +132,10 @@ def _build(args, console: Console) -> int:
     for result in results:
         path = output_path(args.output_dir, result.target.model_type)
         if result.text is None:
-            console.info(f"{result.target.source}: nothing to fuse ({_summary(result)}); no file written")
+            console.info(
+                f"{result.target.source}: nothing fused, no file written "
+                f"(`fusegen report {result.target.source}` says why)"
+            )
             continue
         if args.check or args.diff:
             stale = drift(path, result.text)

@@ -36,35 +36,36 @@ def global_names(source: str) -> set[str]:
     return used - defined
 
 
-def import_lines(used: dict[str, ModuleType | None], runtime_names: set[str]) -> list[str]:
+def import_lines(used: dict[str, tuple[ModuleType | None, str]], runtime_names: set[str]) -> list[str]:
     """Sorted import statements binding each name as its module binds it.
 
-    `used` maps each name to the modeling module whose code reads it (None
-    for names of `fusegen.runtime`).
+    `used` maps each name the generated code reads to the modeling module
+    whose code reads it and the name there (they differ for an alias); None
+    for names of `fusegen.runtime`.
     """
     plain: set[str] = set()
     from_imports: dict[str, set[str]] = {}
-    for name in sorted(used):
-        source_module = used[name]
-        if name in runtime_names:
-            from_imports.setdefault(RUNTIME_MODULE, set()).add(name)
+    for local in sorted(used):
+        source_module, name = used[local]
+        if local in runtime_names:
+            from_imports.setdefault(RUNTIME_MODULE, set()).add(local)
             continue
         namespace = vars(source_module)
         if name not in namespace:
-            if hasattr(builtins, name):
+            if hasattr(builtins, name) and local == name:
                 continue
             raise InputError(f"{source_module.__name__}: the generated code uses {name!r}, which it does not define")
         value = namespace[name]
         if inspect.ismodule(value):
             parent, _, leaf = value.__name__.rpartition(".")
-            if value.__name__ == name:
-                plain.add(f"import {name}")
-            elif leaf == name:
-                from_imports.setdefault(parent, set()).add(name)
+            if value.__name__ == local:
+                plain.add(f"import {local}")
+            elif leaf == local:
+                from_imports.setdefault(parent, set()).add(local)
             else:
-                plain.add(f"import {value.__name__} as {name}")
+                plain.add(f"import {value.__name__} as {local}")
             continue
-        from_imports.setdefault(source_module.__name__, set()).add(name)
+        from_imports.setdefault(source_module.__name__, set()).add(name if local == name else f"{name} as {local}")
     third_party = sorted(plain) + [
         _from_line(module_name, from_imports[module_name])
         for module_name in sorted(from_imports)

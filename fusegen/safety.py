@@ -207,6 +207,21 @@ def check_calls_pure(
                 )
 
 
+def check_no_state_methods(region: list[ast.stmt], module: nn.Module) -> None:
+    """Refuse if the region calls a method of the module itself (`self.reset_cache()`).
+
+    Such a method reaches the module's state without being handed the input,
+    and the input may be that state (`x = self.buffer`); submodule calls are
+    judged by their arguments instead.
+    """
+    for stmt in region:
+        for call in (node for node in ast.walk(stmt) if isinstance(node, ast.Call)):
+            if self_attr(call.func) and not isinstance(getattr(module, call.func.attr, None), nn.Module):
+                raise Refused(
+                    "state-method-call", f"`{ast.unparse(call.func)}` may change module state the input aliases", call
+                )
+
+
 def _known_pure(call: ast.Call, module: nn.Module, namespace: dict) -> bool:
     func = call.func
     if self_attr(func):
@@ -290,3 +305,4 @@ def check_input_stable(
     check_not_written_through(region, tracked, module)
     check_no_inplace_calls(region, tracked, module)
     check_calls_pure(region, tracked, module, namespace, projection_calls)
+    check_no_state_methods(region, module)

@@ -62,6 +62,10 @@ class ToyBlock(nn.Module):
 {forward}
 
 
+    def reset_state(self):
+        self.state.zero_()
+
+
 class ToyPreTrainedModel(PreTrainedModel):
     config_class = ToyConfig
     base_model_prefix = "model"
@@ -291,6 +295,12 @@ HAZARDS = {
         "        q = self.q_proj(x)\n        scale_in_place(x)\n        k = self.k_proj(x)\n        v = self.v_proj(x)\n"
         + RETURN,
         "impure-call",
+    ),
+    "state_method_between": (
+        "        self.register_buffer('state', torch.zeros(1))\n",
+        "        q = self.q_proj(x)\n        self.reset_state()\n        k = self.k_proj(x)\n        v = self.v_proj(x)\n"
+        + RETURN,
+        "state-method-call",
     ),
     "called_twice": (
         "",
