@@ -85,10 +85,16 @@ def import_fused_module(generated_dir: str | os.PathLike, model_type: str) -> Mo
 
 
 def causal_lm_class(module: ModuleType) -> type:
-    """The generated file's single `...ForCausalLM` class, found via its `__all__`."""
-    names = [name for name in getattr(module, "__all__", ()) if name.endswith("ForCausalLM")]
+    """The generated file's single generation class (`...ForCausalLM`, `BertLMHeadModel`, ...), via its `__all__`."""
+    from transformers import GenerationMixin
+
+    names = [
+        name
+        for name in getattr(module, "__all__", ())
+        if isinstance(getattr(module, name, None), type) and issubclass(getattr(module, name), GenerationMixin)
+    ]
     if len(names) != 1:
-        raise InputError(f"{module.__file__}: expected one ...ForCausalLM class in __all__, found {names}")
+        raise InputError(f"{module.__file__}: expected one causal-LM class in __all__, found {names}")
     return getattr(module, names[0])
 
 

@@ -40,10 +40,29 @@ def instantiate(target: Target) -> nn.Module:
             if repaired is None:
                 break
             config = repaired
+    small = _tiny(target)
+    if small is not None:
+        return small
     raise InputError(
         f"model type {target.model_type!r}: {target.causal_lm.__name__} cannot be built on the meta device "
         f"from its default config ({type(first_error).__name__}: {first_error})"
     )
+
+
+def _tiny(target: Target) -> nn.Module | None:
+    """The model built from a shrunk config instead, when the default config is broken upstream.
+
+    The analysis needs the classes, their source and one instance of each;
+    a tiny config of the same model type has them all.
+    """
+    from fusegen.shrink import tiny_config
+
+    try:
+        config = tiny_config(target.config_class)
+        with torch.device("meta"):
+            return target.causal_lm(config)
+    except Exception:  # noqa: BLE001 - the default config's error is the one worth reporting
+        return None
 
 
 def _repair(config, error: Exception):

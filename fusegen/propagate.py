@@ -76,6 +76,29 @@ def classes_to_emit(
     return _definition_order(emitted, target_module)
 
 
+def constructed_classes(emitted: dict[str, Emitted], root: str) -> set[str]:
+    """Emitted classes the causal LM `root` actually builds: by a constructor call, or as a base.
+
+    A class picked out of a module-level table (`ATTENTION_CLASSES[kind](...)`)
+    or built through `AutoModel.from_config` is never called by name; its
+    fused copy would sit unused in the generated file, so its fusion is refused.
+    """
+    reached = {root} if root in emitted else set()
+    frontier = list(reached)
+    while frontier:
+        classdef = emitted[frontier.pop()].classdef
+        called = {
+            node.func.id
+            for node in ast.walk(classdef)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        }
+        bases = {base.id for base in classdef.bases if isinstance(base, ast.Name)}
+        for name in (called | bases) & set(emitted) - reached:
+            reached.add(name)
+            frontier.append(name)
+    return reached
+
+
 def _definition_order(emitted: dict[str, Emitted], target_module: ModuleType) -> dict[str, Emitted]:
     """Source order, adjusted so every class follows the classes its bases and body name."""
     pending = sorted(

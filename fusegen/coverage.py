@@ -1,0 +1,649 @@
+"""`python -m fusegen.coverage`: build every causal LM, verify each fused one on a tiny random model, write the table.
+
+For each model type the sweep (`fusegen.sweep`) says fused, nothing to fuse, or why not. Each fused type is then
+checked in its own worker process, with a timeout: the generated module is imported from a temporary directory, the
+ORIGINAL causal LM is built from a tiny config (`fusegen.shrink`) with every parameter randomised (biases too, so a
+mis-sliced bias shows), saved with `save_pretrained`, and loaded into the fused class with `from_pretrained`, the path
+users take. Any missing, unexpected or mismatched key fails the check; then logits on a fixed random input must agree
+within `TOLERANCE`, and a few greedy tokens must be identical.
+
+The result is `docs/coverage.md`, regenerated (never edited) by this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import re
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+TOLERANCE = 1e-5
+"""Max |logit difference| in fp32; the merged GEMM may only reorder a few floating-point sums."""
+NOISE = 0.05
+SEED = 0
+BATCH, LENGTH = 2, 12
+NEW_TOKENS = 4
+TIMEOUT = 240.0
+ALREADY_FUSED = re.compile(r"^(qkv_proj|qkv|c_attn|Wqkv|query_key_value|wqkv|in_proj|gate_up_proj|w13|gate_up)$")
+
+
+@dataclass
+class Verification:
+    """Outcome of the equivalence check of one fused model type."""
+
+    status: str
+    """`verified`, `mismatch` (loaded but computes something else), `failed` (the fused side broke),
+    `skipped` (no tiny config, or the original itself cannot run on text) or `timeout`/`crash`."""
+    max_abs_diff: float | None = None
+    greedy: str = ""
+    """`same`, `differ`, or why generation was not compared."""
+    reason: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Inspection:
+    """What the original model holds, per module class: its linear children and already-merged weights."""
+
+    linears: dict[str, list[str]] = field(default_factory=dict)
+    already_fused: dict[str, list[str]] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class Row:
+    model_type: str
+    status: str
+    report: dict
+    error: str
+    inspection: Inspection
+    verification: Verification | None
+
+
+# --- worker processes ------------------------------------------------------------------------------------------------
+
+
+def run_isolated(tasks: list[tuple[str, Callable, tuple]], jobs: int, timeout: float) -> Iterator[tuple[str, object]]:
+    """Run `fn(*args)` for each `(key, fn, args)` in a forked process of its own, `jobs` at a time.
+
+    A process per task (not a pool) so that a hung model can be killed at `timeout` and a segfault costs one result,
+    and so every generated module registers its checkpoint conversions in a clean Transformers.
+    Yields `(key, result)`, where a timeout or a dead worker is a `Verification`-style dict with that status.
+    """
+    from multiprocessing.connection import wait
+
+    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    pending = list(tasks)
+    running: dict = {}
+    while pending or running:
+        while pending and len(running) < max(jobs, 1):
+            key, fn, args = pending.pop(0)
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(target=_child, args=(sender, fn, args), daemon=True)
+            process.start()
+            sender.close()
+            running[receiver] = (key, process, time.monotonic())
+        for receiver in wait(list(running), timeout=1.0):
+            key, process, _ = running.pop(receiver)
+            try:
+                result = receiver.recv()
+            except EOFError:
+                result = {"status": "crash", "reason": f"worker died (exit code {process.exitcode})"}
+            process.join()
+            receiver.close()
+            yield key, result
+        for receiver, (key, process, started) in list(running.items()):
+            if time.monotonic() - started > timeout:
+                process.kill()
+                process.join()
+                receiver.close()
+                del running[receiver]
+                yield key, {"status": "timeout", "reason": f"no result within {timeout:.0f} s"}
+
+
+def _child(sender, fn: Callable, args: tuple) -> None:
+    """Worker body: one thread (the machine is shared), quiet Transformers logs, the result sent back as data."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        result = fn(*args)
+    except BaseException:  # noqa: BLE001 - anything raised is the result
+        result = {"status": "crash", "reason": traceback.format_exc(limit=8)}
+    sender.send(result)
+    sender.close()
+
+
+# --- inspection: what the original model holds -----------------------------------------------------------------------
+
+
+def inspect_original(model_type: str) -> dict:
+    """Linear children and already-merged weights of each module class of the original model, built on `meta`.
+
+    The default config is what the compiler analysed (its text part when the causal LM takes that); if the model
+    cannot be built from it, the tiny config stands in.
+    """
+    from fusegen.resolve import resolve
+    from fusegen.shrink import tiny_config
+
+    target = resolve(model_type)
+    model, error = None, None
+    for make_config in (target.config_class, lambda: tiny_config(target.config_class)):
+        try:
+            model = _build_on_meta(target, model_config(target, make_config()))
+            break
+        except Exception as failure:  # noqa: BLE001 - try the next config, report the first failure
+            error = error or failure
+    if model is None:
+        return asdict(Inspection(error=f"{type(error).__name__}: {_first_line(error)}"))
+    inspection = Inspection()
+    for module in model.modules():
+        name = type(module).__name__
+        linears = [child for child, sub in module.named_children() if _is_linear(sub)]
+        if len(linears) >= 2 and name not in inspection.linears:
+            inspection.linears[name] = linears
+        merged = [n for n in linears if ALREADY_FUSED.match(n)]
+        merged += [n for n, p in module.named_parameters(recurse=False) if ALREADY_FUSED.match(n) and p.dim() >= 2]
+        if merged and name not in inspection.already_fused:
+            inspection.already_fused[name] = merged
+    return asdict(inspection)
+
+
+def _build_on_meta(target, config):
+    import torch
+
+    with torch.device("meta"):
+        return target.causal_lm(config)
+
+
+def _is_linear(module) -> bool:
+    """`nn.Linear` and GPT-2's `Conv1D` (a linear with a transposed weight) both count as projections."""
+    from torch import nn
+
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+# --- verification: fused == original on a tiny random model ----------------------------------------------------------
+
+
+def verify(model_type: str, text: str) -> dict:
+    """Equivalence of the fused causal LM (loaded from the original's checkpoint) and the original; plain data."""
+    import torch
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"fusegen-coverage-{model_type}-") as tmp:
+        result = _verify_in(Path(tmp), model_type, text, torch)
+    result.seconds = time.perf_counter() - start
+    return asdict(result)
+
+
+def _verify_in(tmp: Path, model_type: str, text: str, torch) -> Verification:
+    from fusegen.resolve import resolve
+    from fusegen.shrink import ShrinkError, tiny_config
+
+    target = resolve(model_type)
+    try:
+        fused_class = import_causal_lm(tmp, model_type, text, target.causal_lm.__name__)
+    except Exception as error:  # noqa: BLE001
+        return Verification("failed", reason=f"generated module: {_short(error)}")
+    try:
+        config = model_config(target, tiny_config(target.config_class))
+    except ShrinkError as error:
+        return Verification("skipped", reason=f"no tiny config: {_first_line(error)}")
+    try:
+        original = random_model(target.causal_lm, config, torch)
+    except Exception as error:  # noqa: BLE001
+        return Verification("skipped", reason=f"original does not build from the tiny config: {_short(error)}")
+
+    checkpoint = tmp / "checkpoint"
+    try:
+        original.save_pretrained(checkpoint)
+    except Exception as error:  # noqa: BLE001
+        return Verification("skipped", reason=f"original cannot save_pretrained: {_short(error)}")
+    try:
+        fused, info = fused_class.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
+    except Exception as error:  # noqa: BLE001
+        return Verification("failed", reason=f"fused from_pretrained: {_short(error)}")
+    fused.eval()
+    problems = {k: sorted(map(str, v))[:4] for k, v in info.items() if v}
+    if problems:
+        return Verification("failed", reason=f"fused from_pretrained: {problems}")
+    unused, unexercised = unused_fused_classes(original, fused)
+    if unused:
+        return Verification("failed", reason=f"fused model never instantiates {', '.join(unused)}")
+
+    input_ids = random_input(config, torch)
+    notes = [f"not in the tiny model: {', '.join(unexercised)}"] if unexercised else []
+    try:
+        expected, kwargs = _reference_logits(original, input_ids, torch)
+    except Exception as error:  # noqa: BLE001
+        return Verification("skipped", reason=f"needs non-text inputs (original forward: {_short(error)})")
+    if kwargs:
+        notes.append("compared without cache: the original fails with its cache")
+    try:
+        actual = _logits(fused, input_ids, torch, **kwargs)
+    except Exception as error:  # noqa: BLE001
+        return Verification("failed", reason=f"fused forward: {_short(error)}")
+    if expected.shape != actual.shape:
+        return Verification("mismatch", reason=f"logits shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    diff = (expected - actual).abs().max().item()
+    if math.isnan(diff):
+        return Verification("mismatch", reason="fused logits contain NaN (the original's do not)")
+    greedy = compare_greedy(original, fused, input_ids[:1, : LENGTH // 2], torch)
+    if diff > TOLERANCE:
+        return Verification("mismatch", diff, greedy, f"max abs logit diff {diff:.3g} > {TOLERANCE:g}")
+    if greedy == "differ" or greedy.startswith("fused generate fails"):
+        return Verification("mismatch", diff, greedy, f"greedy tokens: {greedy}")
+    return Verification("verified", diff, greedy, "; ".join(notes))
+
+
+def model_config(target, config):
+    """The config the causal LM takes: the composite config's text part when the class is built from that.
+
+    `MODEL_FOR_CAUSAL_LM_MAPPING` maps some composite model types (`qwen3_5`, `llama4`) to a text-only causal LM
+    whose `config_class` is the text config; the compiler builds those from the text part too.
+    """
+    wanted = getattr(target.causal_lm, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    try:
+        text = config.get_text_config()
+    except Exception:  # noqa: BLE001 - no unambiguous text part: keep the config as it is
+        return config
+    return text if isinstance(text, wanted) else config
+
+
+def import_causal_lm(tmp: Path, model_type: str, text: str, original_name: str) -> type:
+    """Write the generated text into a package under `tmp`, import it, and return its fused causal-LM class."""
+    from fusegen.convert import import_fused_module
+    from fusegen.propagate import fused_name
+
+    package = tmp / "generated"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / f"fused_{model_type}.py").write_text(text, encoding="utf-8")
+    module = import_fused_module(package, model_type)
+    name = fused_name(original_name)
+    if name not in getattr(module, "__all__", ()):
+        raise LookupError(f"the generated module does not export {name}")
+    return getattr(module, name)
+
+
+def merging_classes(fused) -> dict[str, str]:
+    """`{original class name: fused class name}` for the generated classes that hold a merged linear."""
+    import inspect
+
+    from fusegen.propagate import PREFIX
+
+    module = sys.modules[type(fused).__module__]
+    found = {}
+    for name, value in vars(module).items():
+        if isinstance(value, type) and name.startswith(PREFIX) and value.__module__ == module.__name__:
+            try:
+                source = inspect.getsource(value)
+            except (OSError, TypeError):
+                continue
+            if "MergedColumnLinear(" in source:
+                found[name.removeprefix(PREFIX)] = name
+    return found
+
+
+def unused_fused_classes(original, fused) -> tuple[list[str], list[str]]:
+    """(fused classes the fused model never builds though the original builds their original, fused classes whose
+    original the tiny model does not contain at all).
+
+    The first is a fault that loading and logits cannot show: the fused model silently runs the original class.
+    The second only means the tiny config does not exercise that class.
+    """
+    built = {type(module).__name__ for module in fused.modules()}
+    originals = {type(module).__name__ for module in original.modules()}
+    unused, unexercised = [], []
+    for original_name, fused_name in sorted(merging_classes(fused).items()):
+        if original_name not in originals:
+            unexercised.append(fused_name)
+        elif fused_name not in built:
+            unused.append(fused_name)
+    return unused, unexercised
+
+
+def random_model(model_class, config, torch):
+    """The original class in fp32 eval mode, every parameter drawn from N(0, NOISE) (biases and norms too)."""
+    torch.manual_seed(SEED)
+    model = model_class(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.is_floating_point():
+                parameter.normal_(0.0, NOISE)
+    return model
+
+
+def random_input(config, torch):
+    """Fixed random token ids, avoiding every special token id of the config (image/audio placeholders included)."""
+    text_config = config.get_text_config(decoder=True)
+    vocab = getattr(text_config, "vocab_size", None) or 256
+    special = set()
+    for source in (config, text_config):
+        for name in dir(source):
+            if name.endswith(("token_id", "token_index", "token_ids")) and not name.startswith("_"):
+                value = getattr(source, name, None)
+                special.update(
+                    v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int)
+                )
+    allowed = torch.tensor([i for i in range(min(vocab, 1024)) if i not in special])
+    generator = torch.Generator().manual_seed(SEED + 1)
+    return allowed[torch.randint(0, len(allowed), (BATCH, LENGTH), generator=generator)]
+
+
+def _reference_logits(original, input_ids, torch):
+    """The original's logits, and the extra forward arguments they needed (`use_cache=False` if the cache breaks)."""
+    try:
+        return _logits(original, input_ids, torch), {}
+    except Exception as error:  # noqa: BLE001 - some models only fail in their cache setup; try once without it
+        try:
+            return _logits(original, input_ids, torch, use_cache=False), {"use_cache": False}
+        except Exception:  # noqa: BLE001 - the first failure is the one worth reporting
+            raise error from None
+
+
+def _logits(model, input_ids, torch, **kwargs):
+    with torch.no_grad():
+        output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    return logits.float()
+
+
+def compare_greedy(original, fused, prompt, torch) -> str:
+    """`same`/`differ` over `NEW_TOKENS` greedy tokens, or why generation was not compared."""
+    if not original.can_generate():
+        return "not a generation model"
+    config = original.generation_config
+    kwargs = {
+        "attention_mask": torch.ones_like(prompt),
+        "max_new_tokens": NEW_TOKENS,
+        "min_new_tokens": NEW_TOKENS,
+        "do_sample": False,
+        "pad_token_id": config.pad_token_id if config.pad_token_id is not None else 0,
+    }
+    try:
+        with torch.no_grad():
+            expected = original.generate(prompt, **kwargs)
+    except Exception as error:  # noqa: BLE001
+        return f"original generate fails: {_short(error)}"
+    try:
+        with torch.no_grad():
+            actual = fused.generate(prompt, **kwargs)
+    except Exception as error:  # noqa: BLE001
+        return f"fused generate fails: {_short(error)}"
+    return "same" if torch.equal(expected, actual) else "differ"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return " ".join(lines[:2])[:300]
+
+
+def _short(error: BaseException) -> str:
+    """`Type: message` plus where in the source it was raised (file:line), for triage."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" [{Path(frames[-1].filename).name}:{frames[-1].lineno}]" if frames else ""
+    return f"{type(error).__name__}: {_first_line(error)}{where}"
+
+
+# --- the whole run ---------------------------------------------------------------------------------------------------
+
+
+def preload() -> None:
+    """Import what every worker needs once, before forking: it otherwise costs each worker seconds."""
+    import transformers.core_model_loading
+    import transformers.generation.utils
+    import transformers.modeling_utils  # noqa: F401
+
+    import fusegen.convert
+    import fusegen.resolve
+    import fusegen.runtime
+    import fusegen.shrink  # noqa: F401
+
+
+def collect(model_types: list[str], jobs: int, timeout: float, log=print) -> list[Row]:
+    """Sweep, then inspect every type and verify every fused one, each in its own process."""
+    from fusegen.sweep import sweep
+
+    preload()
+
+    entries = {}
+    for done, entry in enumerate(sweep(model_types, jobs), start=1):
+        entries[entry.model_type] = entry
+        log(f"[build {done}/{len(model_types)}] {entry.model_type}: {entry.status}")
+    tasks = [(f"inspect:{t}", inspect_original, (t,)) for t in model_types]
+    tasks += [(f"verify:{t}", verify, (t, e.text)) for t, e in entries.items() if e.status == "fused"]
+    tasks.sort(key=lambda task: task[0].partition(":")[2])
+    results: dict[str, dict] = {}
+    for done, (key, result) in enumerate(run_isolated(tasks, jobs, timeout), start=1):
+        results[key] = result
+        if key.startswith("verify:"):
+            log(f"[verify {done}/{len(tasks)}] {key[7:]}: {result.get('status')} {result.get('reason', '')[:160]}")
+    rows = []
+    for model_type in model_types:
+        entry = entries[model_type]
+        inspected = results.get(f"inspect:{model_type}", {})
+        if "status" in inspected:  # the inspection itself timed out or crashed
+            inspected = {"error": inspected.get("reason", "")}
+        verified = results.get(f"verify:{model_type}")
+        rows.append(
+            Row(
+                model_type,
+                entry.status,
+                entry.report,
+                entry.error,
+                Inspection(**inspected),
+                (
+                    Verification(**{k: v for k, v in verified.items() if k in Verification.__dataclass_fields__})
+                    if verified
+                    else None
+                ),
+            )
+        )
+    return rows
+
+
+# --- analysis of the rows --------------------------------------------------------------------------------------------
+
+_SUFFIX = re.compile(r"(_proj|_lin|_linear|_layer)$")
+
+
+def _stems(names) -> set[str]:
+    """Projection names reduced to their role: `q_proj` -> `q`, `wq` -> `q`, `query` -> `query`."""
+    stems = set()
+    for name in names:
+        stem = _SUFFIX.sub("", name)
+        stems.add(stem[1:] if re.fullmatch(r"w[qkv]", stem) else stem)
+    return stems
+
+
+def _is_triplet(names) -> bool:
+    stems = _stems(names)
+    return {"q", "k", "v"} <= stems or {"query", "key", "value"} <= stems
+
+
+def _is_pair(names) -> bool:
+    stems = _stems(names)
+    return {"gate", "up"} <= stems or {"w1", "w3"} <= stems or {"wi_0", "wi_1"} <= stems
+
+
+def has_kind(row: Row, kind: str) -> bool:
+    """Whether the model has a q/k/v triplet (`qkv`) or a gate/up pair (`glu`), fused, refused or just present."""
+    test = _is_triplet if kind == "qkv" else _is_pair
+    for outcome in row.report.get("classes", []):
+        if any(plan["kind"] == kind for plan in outcome["fused"]):
+            return True
+        if any(test(refusal["projections"]) for refusal in outcome["refused"]):
+            return True
+    return any(test(names) for names in row.inspection.linears.values())
+
+
+def fused_kind(row: Row, kind: str) -> bool:
+    return any(plan["kind"] == kind for outcome in row.report.get("classes", []) for plan in outcome["fused"])
+
+
+def is_verified(row: Row) -> bool:
+    return row.verification is not None and row.verification.status == "verified"
+
+
+def summary_counts(rows: list[Row]) -> list[tuple[str, int]]:
+    fused = [r for r in rows if r.status == "fused"]
+    triplets = [r for r in rows if has_kind(r, "qkv")]
+    pairs = [r for r in rows if has_kind(r, "glu")]
+    return [
+        ("model types swept", len(rows)),
+        ("fused and verified equivalent", sum(is_verified(r) for r in fused)),
+        ("fused, not verified", sum(not is_verified(r) for r in fused)),
+        ("nothing to fuse", sum(r.status == "nothing" for r in rows)),
+        ("errors (input the compiler refuses, with a reason)", sum(r.status == "error" for r in rows)),
+        ("crashes", sum(r.status == "crash" for r in rows)),
+        ("types with a q/k/v triplet", len(triplets)),
+        ("... of which q/k/v fused and verified", sum(fused_kind(r, "qkv") and is_verified(r) for r in triplets)),
+        ("types with a gate/up pair", len(pairs)),
+        ("... of which gate/up fused and verified", sum(fused_kind(r, "glu") and is_verified(r) for r in pairs)),
+    ]
+
+
+# --- markdown --------------------------------------------------------------------------------------------------------
+
+
+def render_markdown(rows: list[Row]) -> str:
+    """The whole document; nothing in it depends on the run (no timings), so a rerun only diffs on real changes."""
+    import transformers
+
+    import fusegen
+
+    lines = [
+        "# Coverage: every causal LM of the installed Transformers",
+        "",
+        (
+            f"Generated by `python -m fusegen.coverage` (fusegen {fusegen.__version__}, transformers "
+            f"{transformers.__version__}, torch {_torch_version()}). Never edit by hand: rerun the command."
+        ),
+        "",
+        (
+            f"Verification: the original causal LM is built from a tiny config (`fusegen/shrink.py`), every parameter drawn "
+            f"from N(0, {NOISE}), saved with `save_pretrained`, and loaded into the fused class with `from_pretrained` "
+            f"(any missing, unexpected or mismatched key fails). Logits on a fixed random {BATCH}x{LENGTH} input must agree "
+            f"within {TOLERANCE:g} (fp32), and {NEW_TOKENS} greedy tokens must be identical."
+        ),
+        "",
+        "## Summary",
+        "",
+        "| | model types |",
+        "|---|---:|",
+    ]
+    lines += [f"| {label} | {count} |" for label, count in summary_counts(rows)]
+    lines += [
+        "",
+        "## Per model type",
+        "",
+        "| model type | build | fused | refused | already fused | verified | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [_row_markdown(row) for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _row_markdown(row: Row) -> str:
+    fused, refused = [], []
+    for outcome in row.report.get("classes", []):
+        for plan in outcome["fused"]:
+            shards = " + ".join(name for name, _ in plan["shards"])
+            fused.append(f"{outcome['class']}: {shards} → {plan['merged']} ({plan['kind']})")
+        for refusal in outcome["refused"]:
+            refused.append(
+                f"{outcome['class']}: {' + '.join(refusal['projections'])}: {refusal['rule']}: {refusal['reason']}"
+            )
+    already = [f"{cls}: {', '.join(names)}" for cls, names in row.inspection.already_fused.items()]
+    cells = [
+        f"`{row.model_type}`",
+        row.status,
+        _cell(fused),
+        _cell(refused),
+        _cell(already),
+        _verified_cell(row),
+        _cell(
+            [_error_line(row.error)]
+            if row.error
+            else ([f"inspection: {row.inspection.error}"] if row.inspection.error else [])
+        ),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _verified_cell(row: Row) -> str:
+    v = row.verification
+    if v is None:
+        return "" if row.status != "fused" else "no: not run"
+    if v.status == "verified":
+        note = f"; {v.reason}" if v.reason else ""
+        return _escape(f"yes (max abs diff {v.max_abs_diff:.1e}; greedy {v.greedy}{note})")
+    detail = v.reason or v.status
+    return _escape(f"no ({v.status}): {detail}")
+
+
+def _error_line(error: str) -> str:
+    """The last line of a traceback (or the whole message of a reasoned error)."""
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines and lines[0].startswith("Traceback") else " ".join(lines)
+
+
+def _cell(items: list[str]) -> str:
+    return "<br>".join(_escape(item) for item in items)
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:400]
+
+
+# --- command line ----------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusegen.coverage", description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes (default 1)")
+    parser.add_argument("--output", type=Path, default=Path("docs/coverage.md"), metavar="FILE")
+    parser.add_argument("--only", nargs="+", metavar="TYPE", help="these model types only")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT, metavar="S", help="per model type, in seconds")
+    args = parser.parse_args(argv)
+
+    from fusegen.resolve import causal_lm_types
+
+    known = causal_lm_types()
+    model_types = known if not args.only else list(dict.fromkeys(args.only))
+    unknown = [t for t in model_types if t not in known]
+    if unknown:
+        parser.error(f"unknown model types: {', '.join(unknown)}")
+    start = time.perf_counter()
+    rows = collect(model_types, args.jobs, args.timeout, log=lambda line: print(line, file=sys.stderr, flush=True))
+    text = render_markdown(rows)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text, encoding="utf-8")
+    for label, count in summary_counts(rows):
+        print(f"{label}: {count}")
+    print(f"wrote {args.output} ({len(rows)} model types in {time.perf_counter() - start:.0f} s, {args.jobs} jobs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

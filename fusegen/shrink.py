@@ -1,0 +1,656 @@
+"""Shrink a Transformers config to a tiny one, generically, for equivalence checks on random weights.
+
+A default config describes a multi-billion-parameter model; verifying a fused class needs the same architecture at a
+size that builds in milliseconds. The rules here are keyed on attribute names (Transformers spells the same idea a
+handful of ways: `n_embd`, `d_model`, `hidden_size`, ...), so one table serves every model type; `FIXES` holds the few
+per-model exceptions a name cannot express.
+
+We start from the config class's own field defaults, not from a built instance: fields left at `None` (`head_dim`,
+`layer_types`, ...) are derived in `__post_init__`, so leaving them out lets the config re-derive them from the shrunk
+sizes instead of carrying stale full-size values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+HIDDEN = 64
+HEADS = 4
+HEAD_DIM = 16
+ROPE_HEAD_DIM = 8
+INTERMEDIATE = 128
+EXPERT_INTERMEDIATE = 32
+EXPERTS = 4
+TOP_K = 2
+VOCAB = 256
+LAYERS = 2
+MAX_LAYERS = 4
+"""Up to this many layers are kept when that is what it takes to keep one layer of each kind."""
+RANK = 16
+STATE = 16
+WINDOW = 8
+"""Sliding windows shorter than the test prompt, so the windowed code path actually masks something."""
+
+
+class ShrinkError(ValueError):
+    """No tiny config could be built; the message says why."""
+
+
+# --- entry point -----------------------------------------------------------------------------------------------------
+
+
+def tiny_config(config_or_class, **overrides):
+    """A tiny config of the same class: hidden ~64, 2 layers, 4 heads, vocab 256, 4 experts.
+
+    Accepts a config class or an instance (its non-default values are shrunk too). `overrides` are applied last, as
+    keyword arguments to the config class. Raises `ShrinkError` when the shrunk values do not make a valid config.
+    """
+    from transformers import PreTrainedConfig
+
+    if isinstance(config_or_class, PreTrainedConfig):
+        cls, built = type(config_or_class), config_or_class
+        values = {**field_defaults(cls), **_instance_values(config_or_class)}
+    elif isinstance(config_or_class, type) and issubclass(config_or_class, PreTrainedConfig):
+        cls, built = config_or_class, _default_instance(config_or_class)
+        values = field_defaults(cls)
+    else:
+        raise ShrinkError(f"expected a config class or instance, got {config_or_class!r}")
+    if built is not None:
+        _add_derived_layer_lists(values, built)
+    values = shrink_values(cls, values)
+    fix = FIXES.get(getattr(cls, "model_type", ""))
+    if fix is not None:
+        values = fix(values)
+    values.update(overrides)
+    try:
+        return cls(**values)
+    except Exception as error:  # any config validation failure is a reason to report
+        raise ShrinkError(f"{cls.__name__} rejects the shrunk values: {type(error).__name__}: {error}") from error
+
+
+def field_defaults(cls) -> dict[str, Any]:
+    """The class's own dataclass field defaults (factories called), sub-configs as nested dicts of theirs.
+
+    Fields defaulting to `None` are left out so that `__post_init__` derives them from the shrunk values.
+    """
+    from transformers import PreTrainedConfig
+
+    base = {field.name for field in dataclasses.fields(PreTrainedConfig)}
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if field.name in base and field.name not in ("tie_word_embeddings",):
+            continue
+        if field.default is not dataclasses.MISSING:
+            value = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            value = field.default_factory()
+        else:
+            continue
+        if value is not None:
+            values[field.name] = _plain(value)
+    for key, spec in (getattr(cls, "sub_configs_defaults", None) or {}).items():
+        if key == "backbone_config":
+            continue
+        sub_cls = _sub_config_class(spec, values.get(key))
+        if sub_cls is not None:
+            values[key] = {**field_defaults(sub_cls), **dict(spec.init_kwargs), "model_type": sub_cls.model_type}
+    return values
+
+
+def _default_instance(cls):
+    """The default config, or None when the class cannot build one (its defaults alone are then shrunk)."""
+    try:
+        return cls()
+    except Exception:  # noqa: BLE001 - a broken default is not fatal: the shrunk values may well be valid
+        return None
+
+
+def _add_derived_layer_lists(values: dict[str, Any], built) -> None:
+    """Add the per-layer lists `__post_init__` derived (`layer_types` from a pattern, say), at full length.
+
+    Derived lists do not follow the layer count in every config (Zamba's pattern is fixed), and picking layers from
+    the full list keeps one layer of each kind, where re-deriving for 2 layers might keep only sliding ones.
+    """
+    from transformers import PreTrainedConfig
+
+    attributes = {k: v for k, v in vars(built).items() if not k.startswith("_")}
+    count = _layer_count(attributes, _canonical_names(type(built)))
+    for key, value in attributes.items():
+        if isinstance(value, PreTrainedConfig) and isinstance(values.get(key), dict):
+            _add_derived_layer_lists(values[key], value)
+        elif key not in values and count and count > LAYERS and _is_per_layer(value, count):
+            values[key] = list(value)
+
+
+def _instance_values(config) -> dict[str, Any]:
+    """The values an instance holds that differ from its class defaults (sub-configs as dicts)."""
+    diff = config.to_diff_dict()
+    for key in ("transformers_version", "architectures", "model_type"):
+        diff.pop(key, None)
+    return diff
+
+
+def _plain(value):
+    """Configs stored as field defaults become dicts, so every level can be shrunk the same way."""
+    from transformers import PreTrainedConfig
+
+    if isinstance(value, PreTrainedConfig):
+        return {**field_defaults(type(value)), **_instance_values(value), "model_type": type(value).model_type}
+    return value
+
+
+def _sub_config_class(spec, current) -> type | None:
+    """The config class a sub-config spec builds (resolving `AutoConfig` specs through their model type)."""
+    from transformers import PreTrainedConfig
+
+    if isinstance(spec.config_class, type) and issubclass(spec.config_class, PreTrainedConfig):
+        return spec.config_class
+    model_type = (current or {}).get("model_type", spec.model_type) if isinstance(current, dict) else spec.model_type
+    try:
+        return spec.get_config_class(model_type)
+    except ValueError:
+        return None
+
+
+# --- one config level ------------------------------------------------------------------------------------------------
+
+
+def shrink_values(cls, values: dict[str, Any]) -> dict[str, Any]:
+    """Shrink one config level's keyword arguments (sub-configs recursively)."""
+    names = _canonical_names(cls)
+    values = dict(values)
+    for key, value in list(values.items()):
+        sub_cls = _nested_config_class(cls, key, value)
+        if sub_cls is not None:
+            values[key] = {**shrink_values(sub_cls, value), "model_type": value.get("model_type", sub_cls.model_type)}
+    _shrink_layers(values, names)
+    before = {key: value for key, value in values.items() if _is_int(value)}
+    for key, value in list(values.items()):
+        rule = _rule_for(names.get(key, key))
+        if rule is not None:
+            values[key] = _apply(rule, key, value, before, names)
+    _fix_derived(values, names, before)
+    _fill_unset_heads(cls, values, names)
+    _fix_rope(values, names)
+    _fix_token_ids(values, names)
+    return values
+
+
+def _canonical_names(cls) -> dict[str, str]:
+    """Field name -> the standard name it is an alias of (`n_embd` -> `hidden_size`), via `attribute_map`.
+
+    Only aliases of the standard names count: `attribute_map` also maps legacy names onto standard fields (XLNet's
+    `n_token` -> `vocab_size`), and those must not rename the field.
+    """
+    mapping = getattr(cls, "attribute_map", {}) or {}
+    return {field: standard for standard, field in mapping.items() if standard in _STANDARD_NAMES}
+
+
+_STANDARD_NAMES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "vocab_size")
+
+
+def _nested_config_class(cls, key: str, value) -> type | None:
+    """The config class of a sub-config given as a dict (declared sub-config, or a dict with a known `model_type`)."""
+    if not isinstance(value, dict):
+        return None
+    spec = (getattr(cls, "sub_configs_defaults", None) or {}).get(key)
+    if spec is not None:
+        return _sub_config_class(spec, value)
+    model_type = value.get("model_type")
+    if isinstance(model_type, str):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type in CONFIG_MAPPING:
+            return CONFIG_MAPPING[model_type]
+        return _config_class_by_model_type(cls, model_type)
+    return None
+
+
+def _config_class_by_model_type(cls, model_type: str) -> type | None:
+    """A config class defined next to `cls` (e.g. `DbrxAttentionConfig`) whose `model_type` matches."""
+    import sys
+
+    from transformers import PreTrainedConfig
+
+    module = sys.modules.get(cls.__module__)
+    for candidate in vars(module).values() if module else ():
+        if (
+            isinstance(candidate, type)
+            and issubclass(candidate, PreTrainedConfig)
+            and getattr(candidate, "model_type", None) == model_type
+        ):
+            return candidate
+    return None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- layers ----------------------------------------------------------------------------------------------------------
+
+_LAYER_COUNT = re.compile(
+    r"^(num_hidden_layers|num_layers|n_layers?|decoder_layers|encoder_layers|num_decoder_layers)$"
+)
+_INDEX_HINT = re.compile(r"(layers|layer_ids|layer_idx|idxs|indices|layer_indices)$")
+
+
+def _layer_count(values: dict[str, Any], names: dict[str, str]) -> int | None:
+    """The number of decoder layers this level declares (its count field, or the length of `layer_types`)."""
+    for key, value in values.items():
+        if names.get(key, key) == "num_hidden_layers" and _is_int(value):
+            return value
+    for key, value in values.items():
+        if _LAYER_COUNT.match(key) and _is_int(value):
+            return value
+    layer_types = values.get("layer_types")
+    return len(layer_types) if isinstance(layer_types, (list, tuple)) else None
+
+
+def _is_index_list(key: str, value, count: int) -> bool:
+    """A strictly increasing list of layer indices (`mlp_only_layers`, `moe_layers`, `full_attn_idxs`, ...)."""
+    return (
+        isinstance(value, (list, tuple))
+        and bool(_INDEX_HINT.search(key))
+        and all(_is_int(v) and 0 <= v < count for v in value)
+        and all(a < b for a, b in itertools.pairwise(value))
+    )
+
+
+def _is_per_layer(value, count: int) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == count and count > 0
+
+
+def _shrink_layers(values: dict[str, Any], names: dict[str, str]) -> None:
+    """Keep a few layers, one of each kind, and make every per-layer list and index list agree with them.
+
+    A layer's kind is its entry in every per-layer list (`layer_types`, `mlp_layer_types`, ...) plus its membership of
+    every index list (`mlp_only_layers`, ...): keeping the first layer of each kind keeps e.g. one sliding and one
+    full attention layer, so each fused class is built and exercised.
+    """
+    count = _layer_count(values, names)
+    if not count:
+        return
+    index_lists = {k: v for k, v in values.items() if _is_index_list(k, v, count) and not _is_per_layer_name(k)}
+    per_layer = {k: v for k, v in values.items() if k not in index_lists and _is_per_layer(v, count)}
+    kept = _pick_layers(count, per_layer, index_lists)
+    for key, value in per_layer.items():
+        values[key] = type(value)(value[i] for i in kept)
+    for key, value in index_lists.items():
+        members = set(value)
+        values[key] = type(value)(new for new, old in enumerate(kept) if old in members)
+    for key, value in values.items():
+        if (_LAYER_COUNT.match(key) or names.get(key) == "num_hidden_layers") and _is_int(value) and value == count:
+            values[key] = len(kept)
+
+
+def _is_per_layer_name(key: str) -> bool:
+    """Names that hold one entry per layer even when those entries look like indices (`no_rope_layers` flags)."""
+    return key in ("no_rope_layers",) or key.endswith("_types")
+
+
+def _pick_layers(count: int, per_layer: dict[str, Any], index_lists: dict[str, Any]) -> list[int]:
+    """The first layer of each distinct kind (up to `MAX_LAYERS`), topped up to `LAYERS` with the earliest others."""
+
+    def kind(i: int) -> tuple:
+        return tuple(repr(v[i]) for v in per_layer.values()) + tuple(i in v for v in index_lists.values())
+
+    kept: list[int] = []
+    seen: set[tuple] = set()
+    for i in range(count):
+        if kind(i) not in seen and len(kept) < MAX_LAYERS:
+            seen.add(kind(i))
+            kept.append(i)
+    for i in range(count):
+        if len(kept) >= min(LAYERS, count):
+            break
+        if i not in kept:
+            kept.append(i)
+    return sorted(kept)
+
+
+# --- scalar rules ----------------------------------------------------------------------------------------------------
+
+Rule = Callable[[int], int]
+
+
+def _cap(limit: int) -> Rule:
+    """For counters measured in layers (periods, offsets): small enough that the kept layers still show the pattern."""
+    return lambda old: min(old, limit)
+
+
+def _to(value: int) -> Rule:
+    """Shrink to `value`; values already smaller are kept (zero, "off", is never passed to a rule)."""
+    return lambda old: min(old, value)
+
+
+_KV_HEADS = "kv-heads"
+_DERIVED = "derived"
+
+# (regex on the canonical attribute name, rule). First match wins; applied to positive ints only.
+RULES: list[tuple[re.Pattern, Any]] = [
+    (re.compile(p), r)
+    for p, r in [
+        # structure counters that must stay below the new layer count
+        (
+            r"^(first_k_dense_replace|num_dense_layers|moe_layer_start_index|expert_layer_offset|attn_layer_offset)$",
+            _cap(1),
+        ),
+        (
+            (
+                r"^(sliding_window_pattern|global_attn_every_n_layers|no_rope_layer_interval|attn_layer_period"
+                r"|expert_layer_period|layer_group_size|decoder_sparse_step|moe_layer_interval|interleave_moe_layer_step)$"
+            ),
+            _cap(2),
+        ),
+        (r"^(num_kv_shared_layers|n_recurrent_layers|max_window_layers)$", _cap(1)),
+        (r"^moe_layer_end_index$", _cap(LAYERS - 1)),
+        # attention heads
+        (
+            r"(key_value_heads|kv_heads|^kv_n_heads|num_query_groups|multi_query_group_num|linear_num_key_heads)$",
+            _KV_HEADS,
+        ),
+        (
+            (
+                r"(attention_heads|^n_heads?|^num_heads|_n_heads|_num_heads|linear_num_value_heads|linear_num_heads"
+                r"|index_n_heads|heads_per_ngram)$"
+            ),
+            _to(HEADS),
+        ),
+        (r"(^|_)qk_rope_head_dim$|^rotary_dim$", _to(ROPE_HEAD_DIM)),
+        (r"^qk_head_dim$", _DERIVED),
+        (
+            (
+                r"(head_dim|^d_head|^dim_head|^kv_channels|attention_head_size|^mamba_d_head|^mamba_head_dim"
+                r"|^mamba_headdim)$"
+            ),
+            _to(HEAD_DIM),
+        ),
+        # low-rank projections
+        (r"(lora_rank|_rank$|^hc_lowrank$|^o_groups$)", _to(RANK)),
+        # experts
+        (r"^(num_experts|num_local_experts|n_routed_experts|moe_num_experts|num_experts_total)$", _to(EXPERTS)),
+        (
+            r"^(num_experts_per_tok|num_experts_per_token|moe_k|moe_top_k|moe_topk|top_k|num_selected_experts)$",
+            _to(TOP_K),
+        ),
+        (r"^(n_shared_experts|num_shared_experts|moe_num_shared_experts)$", _to(1)),
+        (r"^(n_group|num_expert_group)$", _to(2)),
+        (r"^topk_group$", _to(1)),
+        (r"^zero_expert_num$", _to(2)),
+        # feed-forward widths
+        (
+            (
+                r"(moe|expert).*(intermediate|ffn|hidden)_size|(intermediate|ffn)_size.*(moe|expert)"
+                r"|^shared_expert.*intermediate_size$|^shared_experts_intermediate_size$|^expert_ffn_hidden_size$"
+            ),
+            _to(EXPERT_INTERMEDIATE),
+        ),
+        (
+            (
+                r"(intermediate_size|^ffn_dim$|ffn_dim$|^d_ff$|^n_inner$|^dff$|^dim_ff$|ffn_hidden_size$|^d_inner$"
+                r"|^feed_forward_size$|^mlp_dim$|^intermediate_size_mlp$)"
+            ),
+            _to(INTERMEDIATE),
+        ),
+        # widths of the residual stream
+        (
+            (
+                r"(^|_)(hidden_size|d_model|n_embd|embed_dim|emb_dim|embedding_dim|embedding_size|word_embed_proj_dim"
+                r"|lru_width|attention_hidden_size|hidden_size_global|backbone_hidden_size|input_embedding_size"
+                r"|output_embedding_size|ple_embed_dim|adapter_in_dim|adapter_out_dim|adapter_input_size)$"
+            ),
+            _to(HIDDEN),
+        ),
+        (r"^hidden_size_per_layer_input$", _to(RANK)),
+        # state-space and linear-attention mixers
+        (r"^(mamba_d_state|ssm_state_size|state_size|mamba_d_ssm_state)$", _to(STATE)),
+        (r"^(mamba_n_heads|mamba_num_heads)$", _DERIVED),
+        (r"^mamba_d_ssm$", _DERIVED),
+        (r"^(time_step_rank|mamba_dt_rank)$", _to(8)),
+        (r"^(mamba_n_groups|mamba_ngroups|n_groups)$", _to(1)),
+        # vocabularies and windows
+        (r"vocab_size|_vocab$", _to(VOCAB)),
+        (
+            (
+                r"^(sliding_window|sliding_window_size|attention_window_size|local_attention|attention_chunk_size"
+                r"|local_attention_window_len)$"
+            ),
+            _to(WINDOW),
+        ),
+    ]
+]
+
+
+def _rule_for(name: str):
+    for pattern, rule in RULES:
+        if pattern.search(name):
+            return rule
+    return None
+
+
+def _apply(rule, key: str, value, before: dict[str, Any], names: dict[str, str]):
+    """Apply one rule to an int, or element-wise to a per-layer list of ints."""
+    if isinstance(value, (list, tuple)) and value and all(_is_int(v) for v in value) and rule not in (_KV_HEADS,):
+        if rule is _DERIVED:
+            return value
+        return type(value)(rule(v) if v > 0 else v for v in value)
+    if not _is_int(value) or value <= 0 or rule is _DERIVED:
+        return value
+    if rule is _KV_HEADS:
+        return _kv_heads(key, value, before, names)
+    return rule(value)
+
+
+def _kv_heads(key: str, old_kv: int, before: dict[str, Any], names: dict[str, str]) -> int:
+    """Keep the attention kind: MHA stays MHA (kv == heads), MQA stays 1, GQA becomes 2 kv heads for 4 heads."""
+    old_heads = before.get(_heads_key_for(key, before, names))
+    if old_kv == 1:
+        return 1
+    if old_heads is None or old_kv >= old_heads:
+        return HEADS if old_heads is None or old_heads >= HEADS else old_heads
+    return 2
+
+
+def _heads_key_for(kv_key: str, values: dict[str, Any], names: dict[str, str]) -> str | None:
+    """The query-heads attribute a kv-heads attribute pairs with (`swa_num_key_value_heads` -> `swa_num_attention_heads`)."""
+    for old, new in (
+        ("key_value_heads", "attention_heads"),
+        ("kv_heads", "heads"),
+        ("kv_n_heads", "n_heads"),
+        ("num_key_heads", "num_value_heads"),
+        ("query_groups", "attention_heads"),
+    ):
+        if old in kv_key and kv_key.replace(old, new) in values:
+            return kv_key.replace(old, new)
+    for key in values:
+        if names.get(key, key) == "num_attention_heads":
+            return key
+    return None
+
+
+# --- values derived from others --------------------------------------------------------------------------------------
+
+
+def _fix_derived(values: dict[str, Any], names: dict[str, str], before: dict[str, Any]) -> None:
+    """Fields that must equal a combination of others (MLA's qk head dim, Mamba-2's head count and width).
+
+    `before` holds the full-size values: a `head_dim` that equalled `qk_rope_head_dim` there is the rotary width
+    (LongCat sizes its rotary embedding by it), so it must stay equal.
+    """
+    if _is_int(values.get("qk_head_dim")) and _is_int(values.get("qk_nope_head_dim")):
+        values["qk_head_dim"] = values["qk_nope_head_dim"] + values.get("qk_rope_head_dim", 0)
+    if _is_int(before.get("head_dim")) and before.get("head_dim") == before.get("qk_rope_head_dim"):
+        values["head_dim"] = values["qk_rope_head_dim"]
+    hidden = next((v for k, v in values.items() if names.get(k, k) == "hidden_size" and _is_int(v)), HIDDEN)
+    expand = values.get("mamba_expand", values.get("expand", 2))
+    mamba_head = next((values[k] for k in ("mamba_d_head", "mamba_head_dim", "mamba_headdim") if k in values), None)
+    if not _is_int(expand) or not _is_int(mamba_head) or mamba_head <= 0:
+        mamba_head = None
+    for key in ("mamba_n_heads", "mamba_num_heads"):
+        if _is_int(values.get(key)) and mamba_head:
+            values[key] = max(1, expand * hidden // mamba_head)
+    if _is_int(values.get("mamba_d_ssm")) and _is_int(expand):
+        values["mamba_d_ssm"] = expand * hidden
+
+
+def _fill_unset_heads(cls, values: dict[str, Any], names: dict[str, str]) -> None:
+    """Set `head_dim` and `num_key_value_heads` when the class declares them but leaves them `None`.
+
+    Several modeling files read them with `getattr(config, "head_dim", hidden // heads)` or use them directly, and
+    get `None` rather than the fallback; explicit values equal to the usual fallbacks are what they mean.
+    """
+    declared = {field.name: field.default for field in dataclasses.fields(cls)}
+    if "head_dim" not in declared or declared["head_dim"] is not None or values.get("head_dim") is not None:
+        return
+    if any(names.get(k, k) == "num_attention_heads" for k in values):
+        values["head_dim"] = _new_head_dim(values, names)
+    heads = next((k for k in values if names.get(k, k) == "num_attention_heads"), None)
+    if declared.get("num_key_value_heads", 0) is None and "num_key_value_heads" not in values and heads:
+        values["num_key_value_heads"] = values[heads]
+
+
+def _fix_rope(values: dict[str, Any], names: dict[str, str]) -> None:
+    """RoPE fields sized by the rotary dimension: `mrope_section`, LongRoPE factors, partial rotary factors."""
+    head_dim = _new_head_dim(values, names)
+    for key, value in list(values.items()):
+        if isinstance(value, dict) and ("rope" in key or "rope_type" in value):
+            values[key] = _shrink_rope_dict(value, head_dim)
+    factor = values.get("partial_rotary_factor")
+    if isinstance(factor, float) and int(head_dim * factor) % 2:
+        values["partial_rotary_factor"] = 0.5
+
+
+def _new_head_dim(values: dict[str, Any], names: dict[str, str]) -> int:
+    head_dim = values.get("head_dim")
+    if _is_int(head_dim):
+        return head_dim
+    hidden = next((v for k, v in values.items() if names.get(k, k) == "hidden_size" and _is_int(v)), HIDDEN)
+    heads = next((v for k, v in values.items() if names.get(k, k) == "num_attention_heads" and _is_int(v)), HEADS)
+    return max(hidden // max(heads, 1), 2)
+
+
+def _shrink_rope_dict(rope: dict, head_dim: int) -> dict:
+    """One RoPE parameter dict (or a dict of them per layer type) with head-dim-sized fields made to fit."""
+    if all(isinstance(v, dict) for v in rope.values()) and rope:
+        return {k: _shrink_rope_dict(v, head_dim) for k, v in rope.items()}
+    rope = dict(rope)
+    factor = rope.get("partial_rotary_factor", 1.0)
+    if isinstance(factor, (int, float)) and int(head_dim * factor) % 2:
+        rope["partial_rotary_factor"] = factor = 0.5
+    half = max(int(head_dim * (factor if isinstance(factor, (int, float)) else 1.0)) // 2, 1)
+    for key in ("mrope_section", "mrope_sections"):
+        if isinstance(rope.get(key), (list, tuple)):
+            rope[key] = _split_proportionally(list(rope[key]), half)
+    for key in ("short_factor", "long_factor"):
+        if isinstance(rope.get(key), (list, tuple)) and len(rope[key]) > half:
+            rope[key] = list(rope[key])[:half]
+    return rope
+
+
+def _split_proportionally(sections: list[int], total: int) -> list[int]:
+    """`sections` rescaled to sum to `total`, each at least 1 (`[16, 24, 24]` -> `[2, 3, 3]` for 8)."""
+    if total < len(sections):
+        raise ShrinkError(f"cannot split a rotary half-dimension of {total} into {len(sections)} mrope sections")
+    old = sum(sections) or 1
+    new = [max(1, math.floor(s * total / old)) for s in sections]
+    i = 0
+    while sum(new) != total:
+        step = 1 if sum(new) < total else -1
+        j = i % len(new) if step > 0 else (len(new) - 1 - i % len(new))
+        if new[j] + step >= 1:
+            new[j] += step
+        i += 1
+    return new
+
+
+def _fix_token_ids(values: dict[str, Any], names: dict[str, str]) -> None:
+    """Special token ids beyond the new vocabulary become distinct ids at its top (255, 254, ...)."""
+    vocab = next((v for k, v in values.items() if names.get(k, k) == "vocab_size" and _is_int(v)), None)
+    if vocab is None and isinstance(values.get("text_config"), dict):
+        vocab = values["text_config"].get("vocab_size")
+    vocab = vocab if _is_int(vocab) else VOCAB
+    remapped: dict[int, int] = {}
+
+    def fit(token):
+        if not _is_int(token) or 0 <= token < vocab:
+            return token
+        return remapped.setdefault(token, vocab - 1 - len(remapped))
+
+    for key, value in list(values.items()):
+        if re.search(r"(token_id|token_ids|token_index|_index$|_id$)", names.get(key, key)) and key != "layer_idx":
+            if isinstance(value, (list, tuple)):
+                values[key] = type(value)(fit(v) for v in value)
+            else:
+                values[key] = fit(value)
+
+
+# --- per-model fixes -------------------------------------------------------------------------------------------------
+
+
+def _gpt_neo(values: dict[str, Any]) -> dict[str, Any]:
+    """GPT-Neo encodes its layers as `[[pattern, repeats]]`: one global and one local layer."""
+    values["attention_types"] = [[["global", "local"], 1]]
+    values["window_size"] = WINDOW
+    return values
+
+
+def _set(**fixed) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A fix that sets the given values."""
+    return lambda values: {**values, **fixed}
+
+
+def _mamba2(values: dict[str, Any]) -> dict[str, Any]:
+    """Mamba-2 requires `num_heads * head_dim == expand * hidden_size`."""
+    values["num_heads"] = values.get("expand", 2) * values["hidden_size"] // values["head_dim"]
+    return values
+
+
+_DOTS3_SWA = {
+    "swa_num_attention_heads": HEADS,
+    "swa_num_key_value_heads": HEADS,
+    "swa_q_lora_rank": RANK,
+    "swa_kv_lora_rank": RANK,
+    "swa_head_dim": HEAD_DIM + ROPE_HEAD_DIM,
+    "swa_qk_nope_head_dim": HEAD_DIM,
+    "swa_v_head_dim": HEAD_DIM,
+}
+
+FIXES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "gpt_neo": _gpt_neo,
+    "mamba2": _mamba2,
+    # attention layers are listed explicitly, and the default lists none
+    "bamba": _set(attn_layer_indices=[1]),
+    # a repeating block pattern, not one entry per layer: keep one recurrent block and the attention block
+    "recurrent_gemma": _set(block_types=["recurrent", "attention"]),
+    # the shared transformer is tied across hybrid layers, so it needs two of them
+    "zamba": _set(layers_block_type=["linear_attention", "hybrid", "hybrid"], num_hidden_layers=3),
+    # the default leaves the router's top-k unset (its forward then fails on `topk(k=None)`)
+    "deepseek_v2": _set(num_experts_per_tok=TOP_K),
+    # language adapters: the forward refuses to run without a default language
+    "xmod": _set(default_language="en_XX"),
+    # defaults the modeling code cannot build from (unset fields it reads unconditionally)
+    "dots1": _set(n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_shared_experts=1),
+    "lfm2_moe": _set(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "qwen4_exp_text": _set(
+        indexer_n_heads=HEADS,
+        indexer_kv_heads=1,
+        indexer_head_dim=HEAD_DIM,
+        indexer_budget=WINDOW,
+        indexer_compress_ratio=2,
+    ),
+    # sliding-window layers take their (full-size) MLA shape from `swa_*` arguments, not from the shrunk fields
+    "dots3_note_text": _set(**_DOTS3_SWA),
+    "dots3_note": lambda values: {**values, "text_config": {**values["text_config"], **_DOTS3_SWA}},
+    "reformer": _set(is_decoder=True, axial_pos_embds_dim=[HIDDEN // 2, HIDDEN // 2]),
+    "gemma4_assistant": lambda values: {
+        **values,
+        "text_config": {**values["text_config"], "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0},
+    },
+}
+"""model_type -> a function that adjusts the shrunk keyword arguments where the generic rules cannot."""
