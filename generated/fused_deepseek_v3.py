@@ -47,6 +47,17 @@ from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, str
 
 STACKED_PARAMS_MAPPING = {"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
 packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+# Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
+# with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
+TP_PLAN = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+    "layers.*.mlp.shared_experts.gate_up_proj": "fusegen_merged_colwise",
+    "layers.*.mlp.shared_experts.down_proj": "rowwise",
+    "layers.*.mlp.gate_up_proj": "fusegen_merged_colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
 class FusedDeepseekV3MLP(nn.Module):
@@ -308,6 +319,19 @@ register_stacked_checkpoint(
     parents={"gate_up_proj": ["mlp", "shared_experts"]},
     model_type="deepseek_v3",
 )
+
+
+def _init_parallel_plans(self):
+    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
+
+    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+    """
+    from fusegen.runtime import init_fused_parallel_plans
+
+    init_fused_parallel_plans(self, TP_PLAN)
+
+
+FusedDeepseekV3Model.init_parallel_plans = _init_parallel_plans
 
 __all__ = [
     "FusedDeepseekV3DecoderLayer",

@@ -49,6 +49,15 @@ STACKED_PARAMS_MAPPING = {
     "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
 }
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+# Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
+# with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
+TP_PLAN = {
+    "layers.*.self_attn": "fusegen_local_heads",
+    "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_up_proj": "fusegen_merged_colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
 @use_kernelized_func(apply_rotary_pos_emb)
@@ -354,6 +363,19 @@ register_stacked_checkpoint(
     parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]},
     model_type="granite",
 )
+
+
+def _init_parallel_plans(self):
+    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
+
+    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+    """
+    from fusegen.runtime import init_fused_parallel_plans
+
+    init_fused_parallel_plans(self, TP_PLAN)
+
+
+FusedGraniteModel.init_parallel_plans = _init_parallel_plans
 
 __all__ = [
     "FusedGraniteAttention",

@@ -49,6 +49,8 @@ STACKED_PARAMS_MAPPING = {
     "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
 }
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+# No tensor parallelism: layers.*.self_attn.q_proj is 'colwise_gather_output'; fusegen merges only pieces that are all 'colwise'.
+TP_PLAN = None
 
 
 @use_kernelized_func(apply_rotary_pos_emb)
@@ -335,6 +337,19 @@ register_stacked_checkpoint(
     parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]},
     model_type="olmo2",
 )
+
+
+def _init_parallel_plans(self):
+    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
+
+    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+    """
+    from fusegen.runtime import init_fused_parallel_plans
+
+    init_fused_parallel_plans(self, TP_PLAN)
+
+
+FusedOlmo2Model.init_parallel_plans = _init_parallel_plans
 
 __all__ = [
     "FusedOlmo2Attention",

@@ -53,6 +53,21 @@ from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, str
 
 STACKED_PARAMS_MAPPING = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+# Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
+# with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
+TP_PLAN = {
+    "layers.*.self_attn": "fusegen_local_heads",
+    "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
 @use_kernelized_func(apply_rotary_pos_emb)
@@ -352,6 +367,19 @@ class FusedQwen3MoeForCausalLM(FusedQwen3MoePreTrainedModel, GenerationMixin):
 register_stacked_checkpoint(
     ["FusedQwen3MoeModel"], STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["self_attn"]}, model_type="qwen3_moe"
 )
+
+
+def _init_parallel_plans(self):
+    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
+
+    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+    """
+    from fusegen.runtime import init_fused_parallel_plans
+
+    init_fused_parallel_plans(self, TP_PLAN)
+
+
+FusedQwen3MoeModel.init_parallel_plans = _init_parallel_plans
 
 __all__ = [
     "FusedQwen3MoeAttention",

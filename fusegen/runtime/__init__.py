@@ -16,14 +16,38 @@ from .loading import CheckpointError, load_checkpoint, load_weights, save_checkp
 # What a generated causal LM's `load_weights` method calls (a distinct name, so the method does not shadow it).
 stream_weights = load_weights
 
+# Tensor parallelism (`.tp`) is imported on first use, e.g. when a generated model is built: importing a generated
+# file must load only the modules above.
+_TP_EXPORTS = (
+    "LocalHeadsParallel",
+    "MergedColumnParallel",
+    "PartitionedConcatenate",
+    "init_fused_parallel_plans",
+    "partition_rows",
+)
+
+
+def __getattr__(name: str):
+    if name in _TP_EXPORTS:
+        from . import tp
+
+        return getattr(tp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "CheckpointError",
+    "LocalHeadsParallel",
     "MergedColumnConcatenate",
     "MergedColumnLinear",
+    "MergedColumnParallel",
     "MergedColumnSplit",
+    "PartitionedConcatenate",
     "build_stacked_converters",
+    "init_fused_parallel_plans",
     "load_checkpoint",
     "load_weights",
+    "partition_rows",
     "register_stacked_checkpoint",
     "save_checkpoint",
     "stream_weights",

@@ -1,0 +1,444 @@
+"""Tensor parallelism of the generated fused models (fusegen.runtime.tp) on CPU with gloo.
+
+The multi-process tests start their own process groups (spawned workers, a free port, a short gloo timeout) and each
+launch runs every case of one world size, so the suite pays for process start-up twice. Every launch is killed after
+LAUNCH_TIMEOUT seconds, so a deadlock fails the test instead of hanging it. Each case compares the tensor-parallel
+fused model with the single-process fused model and with the original Transformers class on the same checkpoint.
+
+Measured numbers (logit differences, bytes read and peak RSS per rank) are printed: `pytest tests/test_tp.py -rP`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from fusegen.runtime.tp import (
+    LOCAL_HEADS,
+    MERGED_COLWISE,
+    PartitionedSplit,
+    RowPartition,
+    check_head_counts,
+    fused_plan_from,
+    partition_rows,
+)
+from generated.fused_llama import STACKED_PARAMS_MAPPING, TP_PLAN, FusedLlamaForCausalLM
+from tests.conftest import random_model, tiny_config
+
+LAUNCH_TIMEOUT = 300  # seconds for one multi-process launch, interpreter start-up included (2 shared CPU cores)
+GROUP_TIMEOUT = 60  # seconds gloo waits on a collective before failing
+TOLERANCE = 1e-5
+MODELS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, "FusedLlamaForCausalLM"),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, "FusedQwen2ForCausalLM"),
+}
+# name -> (model type, config overrides, how the case runs). Heads are 4 unless overridden (tests/conftest.py TINY).
+CASES = {
+    2: {
+        "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),
+        "llama-mqa": ("llama", {"num_key_value_heads": 1}, "compare"),  # kv head replicated on both ranks
+        "llama-mha": ("llama", {"num_key_value_heads": 4}, "compare"),
+        "llama-head-dim": ("llama", {"num_key_value_heads": 2, "head_dim": 24}, "compare"),
+        "qwen2-gqa": ("qwen2", {"num_key_value_heads": 2}, "compare-distributed-config"),  # q/k/v biases
+        "qwen2-mqa-tied": ("qwen2", {"num_key_value_heads": 1, "tie_word_embeddings": True}, "compare"),
+        "llama-gqa-plain": ("llama", {"num_key_value_heads": 2}, "plain"),  # Transformers' own TP, for reference
+        "llama-gqa-save": ("llama", {"num_key_value_heads": 2}, "save"),
+        "heads-3": ("llama", {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}, "error"),
+        "kv-heads-3": ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, "error"),
+    },
+    4: {
+        "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),  # each kv head shared by 2 ranks
+        "llama-mha": ("llama", {"num_key_value_heads": 4}, "compare"),
+        "qwen2-mqa": ("qwen2", {"num_key_value_heads": 1}, "compare"),
+        "heads-2": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 2}, "error"),
+        "mlp-90": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "error"),
+    },
+}
+ERRORS = {
+    "heads-3": "num_attention_heads=3 is not divisible by N",
+    "kv-heads-3": "num_key_value_heads=3 neither divisible by nor dividing N",
+    "heads-2": "N is larger than num_attention_heads=2",
+    "mlp-90": "(layers.0.mlp.gate_up_proj): piece sizes [90, 90]",
+}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Worker side (runs in each spawned process)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _peak_rss_mb() -> float:
+    """Peak resident set size of this process (VmHWM), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@contextmanager
+def _counting_reads():
+    """Count the bytes Transformers' loader materialises from the checkpoint (sliced or whole)."""
+    import transformers.core_model_loading as core
+    from transformers.distributed.sharding_utils import DtensorShardOperation
+
+    counter, lock = {"bytes": 0}, threading.Lock()
+    copy, shard = core._materialize_copy, DtensorShardOperation.shard_tensor
+
+    def count(tensor):
+        if tensor is not None:
+            with lock:
+                counter["bytes"] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    core._materialize_copy = lambda *args, **kwargs: count(copy(*args, **kwargs))
+    DtensorShardOperation.shard_tensor = lambda self, *args, **kwargs: count(shard(self, *args, **kwargs))
+    try:
+        yield counter
+    finally:
+        core._materialize_copy, DtensorShardOperation.shard_tensor = copy, shard
+
+
+def _classes(model_type):
+    _, original_class, fused_name = MODELS[model_type]
+    module = importlib.import_module(f"generated.fused_{model_type}")
+    return original_class, getattr(module, fused_name)
+
+
+def _compare(model_type, path, how):
+    """Logits and greedy tokens of the tensor-parallel fused model against the single-process ones."""
+    from transformers import DistributedConfig
+
+    original_class, fused_class = _classes(model_type)
+    kwargs = (
+        {"distributed_config": DistributedConfig(tp_plan="auto")} if how.endswith("config") else {"tp_plan": "auto"}
+    )
+    with _counting_reads() as read:
+        tp = (original_class if how == "plain" else fused_class).from_pretrained(path, **kwargs).eval()
+    single = (original_class if how == "plain" else fused_class).from_pretrained(path).eval()
+    original = original_class.from_pretrained(path).eval()
+    input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, single_logits, original_logits = (m(input_ids).logits for m in (tp, single, original))
+    greedy = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    prompt = input_ids[:1, :5]
+    tokens = tp.generate(prompt, **greedy)
+    result = {
+        "vs_single": (logits - single_logits).abs().max().item(),
+        "vs_original": (logits - original_logits).abs().max().item(),
+        "greedy_single": torch.equal(tokens, single.generate(prompt, **greedy)),
+        "greedy_original": torch.equal(tokens, original.generate(prompt, **greedy)),
+        "greedy_static": torch.equal(tokens, tp.generate(prompt, cache_implementation="static", **greedy)),
+        "read_bytes": read["bytes"],
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+    if how != "plain":
+        attention = tp.model.layers[0].self_attn
+        result["qkv_sizes"] = list(attention.qkv_proj.output_sizes)
+        result["gate_up_sizes"] = list(tp.model.layers[0].mlp.gate_up_proj.output_sizes)
+        result["kv_groups"] = attention.num_key_value_groups
+        result["tied"] = tp.lm_head.weight is tp.model.embed_tokens.weight
+    return result
+
+
+def _save(model_type, path, out):
+    """Save the tensor-parallel fused model; rank 0 reloads it with the original class."""
+    import torch.distributed as dist
+
+    original_class, fused_class = _classes(model_type)
+    fused_class.from_pretrained(path, tp_plan="auto").save_pretrained(out)
+    dist.barrier()
+    if dist.get_rank():
+        return {}
+    expected = original_class.from_pretrained(path).state_dict()
+    reloaded, info = original_class.from_pretrained(out, output_loading_info=True)
+    actual = reloaded.state_dict()
+    same = expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
+    return {"round_trip": same, "loading_info": {k: sorted(map(str, v)) for k, v in info.items() if v}}
+
+
+def _error(model_type, path):
+    _, fused_class = _classes(model_type)
+    try:
+        fused_class.from_pretrained(path, tp_plan="auto")
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def _run_case(model_type, path, how, out):
+    if how == "save":
+        return _save(model_type, path, out)
+    if how == "error":
+        return _error(model_type, path)
+    return _compare(model_type, path, how)
+
+
+def _worker(rank, world_size, port, cases, out_dir):
+    """One rank: join the group, run every case in order (recording, not raising, its failures), write results."""
+    import warnings
+
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.simplefilter("ignore", FutureWarning)  # `tp_plan=` is deprecated in favour of `distributed_config=`
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT))
+    results = {}
+    try:
+        for name, (model_type, path, how) in cases.items():
+            try:
+                results[name] = _run_case(model_type, path, how, f"{out_dir}/{name}-saved")
+            except Exception as error:  # noqa: BLE001 (recorded per case: one failure must not hide the others)
+                results[name] = {"failed": f"{type(error).__name__}: {error}"}
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launcher side (pytest process)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(world_size: int, cases: dict, out_dir: Path, timeout: float = LAUNCH_TIMEOUT) -> list[dict]:
+    """Run `_worker` on `world_size` spawned processes; per-rank results, or an error naming what went wrong."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(
+        _worker, args=(world_size, _free_port(), cases, str(out_dir)), nprocs=world_size, join=False
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} tensor-parallel processes still running after {timeout}s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _checkpoints(root: Path, cases: dict) -> dict:
+    """Save one random original-class checkpoint per case; the cases as the workers take them."""
+    prepared = {}
+    for name, (model_type, overrides, how) in cases.items():
+        config_class, original_class, _ = MODELS[model_type]
+        path = root / name
+        random_model(original_class, tiny_config(config_class, **overrides)).save_pretrained(path)
+        prepared[name] = (model_type, str(path), how)
+    return prepared
+
+
+def _checkpoint_shapes(path: str) -> dict[str, list[int]]:
+    from safetensors import safe_open
+
+    with safe_open(f"{path}/model.safetensors", "pt") as handle:
+        return {name: handle.get_slice(name).get_shape() for name in handle.keys()}  # noqa: SIM118
+
+
+def read_bound(path: str, world_size: int, replicated_kv: bool) -> int:
+    """Most bytes a rank may read: 1/N of every sharded tensor, norms whole, and q/k/v whole when kv is replicated."""
+    bound = 0.0
+    for name, shape in _checkpoint_shapes(path).items():
+        nbytes = 4 * torch.Size(shape).numel()  # float32 checkpoints
+        whole = "norm" in name or (replicated_kv and any(f"{p}_proj" in name for p in "qkv"))
+        bound += nbytes if whole else nbytes / world_size
+    return int(bound)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """`launched(N)`: the cases of world size N, run once per module (one launch per N) and then reused."""
+    done = {}
+
+    def get(world_size):
+        if world_size not in done:
+            root = tmp_path_factory.mktemp(f"tp{world_size}")
+            cases = _checkpoints(root, CASES[world_size])
+            done[world_size] = cases, launch(world_size, cases, root)
+        return done[world_size]
+
+    return get
+
+
+def _cases(how: str) -> list[tuple[int, str]]:
+    return [(n, name) for n, cases in CASES.items() for name, case in cases.items() if case[2].startswith(how)]
+
+
+def _results(launched, world_size, name):
+    cases, results = launched(world_size)
+    per_rank = [ranks[name] for ranks in results]
+    for rank, result in enumerate(per_rank):
+        assert "failed" not in result, f"rank {rank}: {result['failed']}"
+    return cases[name], per_rank
+
+
+@pytest.mark.parametrize(("world_size", "name"), _cases("compare"))
+def test_fused_tp_matches_single_process(launched, world_size, name):
+    (_, path, _), per_rank = _results(launched, world_size, name)
+    overrides = CASES[world_size][name][1]
+    heads = overrides.get("num_attention_heads", 4)
+    kv_heads = overrides["num_key_value_heads"]
+    head_dim = overrides.get("head_dim", overrides.get("hidden_size", 64) // heads)
+    replicated = kv_heads < world_size
+    local_kv = 1 if replicated else kv_heads // world_size
+    for rank, result in enumerate(per_rank):
+        print(f"N={world_size} {name} rank {rank}: {json.dumps(result)}")
+        assert result["vs_single"] <= TOLERANCE and result["vs_original"] <= TOLERANCE, result
+        assert result["greedy_single"] and result["greedy_original"] and result["greedy_static"], result
+        assert result["qkv_sizes"] == [heads // world_size * head_dim, local_kv * head_dim, local_kv * head_dim]
+        assert result["gate_up_sizes"] == [96 // world_size] * 2
+        assert result["kv_groups"] == heads // world_size // local_kv
+        assert result["tied"] is bool(overrides.get("tie_word_embeddings", False))
+        assert result["read_bytes"] <= read_bound(path, world_size, replicated), result
+
+
+def test_transformers_own_tp_for_reference(launched):
+    _, per_rank = _results(launched, 2, "llama-gqa-plain")
+    _, fused = _results(launched, 2, "llama-gqa")
+    for rank, result in enumerate(per_rank):
+        print(f"N=2 plain LlamaForCausalLM rank {rank}: {json.dumps(result)}")
+        assert result["vs_single"] <= TOLERANCE and result["greedy_single"], result
+        assert fused[rank]["read_bytes"] == result["read_bytes"]  # the fused model reads exactly the same slices
+
+
+def test_tp_model_saves_the_canonical_checkpoint(launched):
+    _, per_rank = _results(launched, 2, "llama-gqa-save")
+    assert per_rank[0] == {"round_trip": True, "loading_info": {}}
+
+
+@pytest.mark.parametrize(("world_size", "name"), _cases("error"))
+def test_unshardable_head_counts_fail_with_a_clear_error(launched, world_size, name):
+    (_, path, _), per_rank = _results(launched, world_size, name)
+    for result in per_rank:
+        assert result["error"] is not None, "loaded although the heads cannot be split"
+        assert ERRORS[name] in result["error"] and f"N={world_size}" in result["error"], result["error"]
+        assert path in result["error"], result["error"]  # names the model
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Single-process tests: partitions, validation, plans, saving
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_partition_splits_q_by_query_heads_and_kv_by_kv_heads():
+    # 8 query heads, 2 kv heads, head_dim 4, N=2: each rank one kv head and the 4 query heads reading it.
+    partition = partition_rows([32, 8, 8], [8, 2, 2], [False, True, True], 2, 1, what="m")
+    assert (partition.starts, partition.sizes, partition.shard_on_read) == ((16, 4, 4), (16, 4, 4), True)
+    assert partition.merged_rows() == [(16, 16), (36, 4), (44, 4)]
+
+
+def test_partition_replicates_kv_heads_when_fewer_than_ranks():
+    # 8 query heads, 2 kv heads, N=4: ranks 0 and 1 share kv head 0, ranks 2 and 3 kv head 1.
+    starts = [
+        partition_rows([32, 8, 8], [8, 2, 2], [False, True, True], 4, rank, what="m").starts for rank in range(4)
+    ]
+    assert starts == [(0, 0, 0), (8, 0, 0), (16, 4, 4), (24, 4, 4)]
+    assert not partition_rows([32, 8, 8], [8, 2, 2], [False, True, True], 4, 0, what="m").shard_on_read
+
+
+def test_partition_refuses_to_cut_a_unit():
+    with pytest.raises(ValueError, match=r"model X: piece sizes \[96, 96\].*N=5"):
+        partition_rows([96, 96], [96, 96], [False, False], 5, 0, what="model X")
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "world_size", "message"),
+    [
+        (4, 2, 8, "N is larger than num_attention_heads=4"),
+        (6, 6, 4, "num_attention_heads=6 is not divisible by N"),
+        (12, 3, 2, "num_key_value_heads=3 neither divisible by nor dividing N"),
+    ],
+)
+def test_head_count_errors_name_model_sizes_and_n(heads, kv_heads, world_size, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        check_head_counts("org/my-model (FusedLlamaAttention)", heads, kv_heads, world_size)
+    assert "org/my-model" in str(raised.value) and f"N={world_size}" in str(raised.value)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "world_size"), [(4, 2, 2), (4, 1, 4), (8, 2, 4), (8, 8, 8), (4, 4, 1)])
+def test_valid_head_counts_pass(heads, kv_heads, world_size):
+    check_head_counts("m", heads, kv_heads, world_size)
+
+
+def test_generated_plan_fuses_the_config_plan():
+    assert TP_PLAN == {
+        "layers.*.self_attn": LOCAL_HEADS,
+        "layers.*.self_attn.qkv_proj": MERGED_COLWISE,
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_up_proj": MERGED_COLWISE,
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    derived, _ = fused_plan_from(LlamaConfig.base_model_tp_plan, STACKED_PARAMS_MAPPING, {"qkv_proj": ["self_attn"]})
+    assert derived == TP_PLAN
+
+
+def test_plan_is_refused_for_pieces_that_are_not_colwise():
+    plan, why = fused_plan_from({"layers.*.self_attn.q_proj": "colwise_gather_output"}, STACKED_PARAMS_MAPPING)
+    assert plan is None and "colwise_gather_output" in why
+    assert fused_plan_from(None, STACKED_PARAMS_MAPPING) == (None, "the original config has no base_model_tp_plan")
+
+
+def test_built_model_plan_names_only_modules_it_has():
+    model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+    names = {name for name, _ in model.named_modules()}
+    for rule in model.tp_plan:
+        assert rule.replace("*", "0") in names, rule
+    assert model.tp_plan["model.layers.*.self_attn.qkv_proj"] == MERGED_COLWISE
+
+
+def _split(model, tensor):
+    return PartitionedSplit(0).convert(
+        {"self_attn.qkv_proj": tensor},
+        ["self_attn.qkv_proj"],
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        full_layer_name="model.layers.0.self_attn.q_proj.weight",
+        model=model,
+    )
+
+
+def test_saving_reassembles_gathered_blocks_into_q_k_v():
+    model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    q, k, v = torch.randn(64, 3), torch.randn(32, 3), torch.randn(32, 3)
+    blocks = [
+        torch.cat([q[r * 32 : (r + 1) * 32], k[r * 16 : (r + 1) * 16], v[r * 16 : (r + 1) * 16]]) for r in (0, 1)
+    ]
+    qkv.tp_partition = RowPartition((64, 32, 32), (0, 0, 0), (32, 16, 16), 2, 0)
+    pieces = _split(model, torch.cat(blocks))
+    assert all(torch.equal(pieces[f"self_attn.{n}_proj"], t) for n, t in zip("qkv", (q, k, v)))
+
+
+def test_saving_refuses_replicated_kv_heads():
+    model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=1))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    qkv.tp_partition = RowPartition((64, 16, 16), (0, 0, 0), (32, 16, 16), 2, 0)
+    with pytest.raises(ValueError, match="replicated"):
+        _split(model, torch.randn(64, 3))
