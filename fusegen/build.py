@@ -19,7 +19,7 @@ from fusegen.errors import InputError
 from fusegen.imports import global_names, import_lines
 from fusegen.instantiate import candidates, instantiate
 from fusegen.plan import ClassOutcome, FusionPlan, Refusal
-from fusegen.propagate import classes_to_emit, fused_name, rename_classes
+from fusegen.propagate import classes_to_emit, constructed_classes, fused_name, rename_classes
 from fusegen.render import render
 from fusegen.resolve import Target, resolve
 from fusegen.rewrite_init import MERGED_LINEAR
@@ -27,6 +27,24 @@ from fusegen.runtime.tp import fused_plan_from
 
 REGISTER = "register_stacked_checkpoint"
 STREAM = "stream_weights"
+TEMPLATE_NAMES = {"STACKED_PARAMS_MAPPING", "packed_modules_mapping", "TP_PLAN"}
+"""Module-level names the template defines; generated methods may read them."""
+INIT_PARALLEL_PLANS_METHOD = '''
+def init_parallel_plans(self):
+    """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
+
+    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+    """
+    from fusegen.runtime import init_fused_parallel_plans
+
+    init_fused_parallel_plans(self, TP_PLAN)
+'''
+IS_CUSTOM_CODE_METHOD = '''
+@classmethod
+def is_custom_code(cls):
+    """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
+    return False
+'''
 LOAD_WEIGHTS_METHOD = '''
 def load_weights(self, weights):
     """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model."""
@@ -77,16 +95,19 @@ def build(name: str) -> BuildResult:
     if not rewritten:
         return BuildResult(target, outcomes, None)
     emitted = classes_to_emit(target.module, model, rewritten)
+    stray = {cls.__name__ for cls in rewritten} - constructed_classes(emitted, target.causal_lm.__name__)
+    if stray:
+        outcomes = _unreachable(outcomes, target, stray)
+        rewritten = {cls: classdef for cls, classdef in rewritten.items() if cls.__name__ not in stray}
+        if not rewritten:
+            return BuildResult(target, outcomes, None)
+        emitted = classes_to_emit(target.module, model, rewritten)
     renames = {name: fused_name(name) for name in emitted}
-    if target.causal_lm.__name__ not in emitted:
-        return BuildResult(target, _unreachable(outcomes, target), None)
-    causal_lm = emitted[target.causal_lm.__name__].classdef
-    if astutil.method(causal_lm, "load_weights") is None:
-        causal_lm.body.append(ast.parse(LOAD_WEIGHTS_METHOD).body[0])
+    _add_methods(emitted, target, model)
     used: dict[str, tuple[ModuleType | None, str]] = {}
     for item in emitted.values():
         rename_classes(item.classdef, renames)
-        for used_name in sorted(global_names(ast.unparse(item.classdef)) - set(renames.values())):
+        for used_name in sorted(global_names(ast.unparse(item.classdef)) - set(renames.values()) - TEMPLATE_NAMES):
             _use(used, used_name, item)
     used[REGISTER] = used[STREAM] = (None, "")
     sources = [ast.unparse(item.classdef) for item in emitted.values()]
@@ -96,7 +117,6 @@ def build(name: str) -> BuildResult:
         transformers_version=transformers.__version__,
         source_module=target.module.__name__,
         model_type=target.model_type,
-        model_type_repr=repr(target.model_type),
         build_target=target.source,
         fingerprint=hashlib.sha256(inspect.getsource(target.module).encode()).hexdigest(),
         fused_lines=[f"{fused_name(o.class_name)}: {plan.describe()}" for o in outcomes for plan in o.fused],
@@ -112,6 +132,41 @@ def build(name: str) -> BuildResult:
         **_tensor_parallel(model, plans, _parents(model, outcomes), _checkpoint_classes(model, target, renames)),
     )
     return BuildResult(target, outcomes, text, list(rewritten))
+
+
+def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
+    """The few methods fusegen adds to the copied classes, each only where the original lacks it.
+
+    - the causal LM's `load_weights`, vLLM's streaming loader interface;
+    - the base models' `init_parallel_plans`, so tensor parallelism shards the merged linears by partition;
+    - `is_custom_code() -> False` on the pretrained base of a Transformers model: otherwise the copies count as
+      custom code, which loads and initialises differently (non-persistent buffers filled in `_init_weights`
+      are skipped, model-type checkpoint conversions are not applied at the root).
+    """
+    from transformers import PreTrainedModel
+
+    def add(name: str, method: str, source: str) -> None:
+        if name in emitted and astutil.method(emitted[name].classdef, method) is None:
+            emitted[name].classdef.body.append(ast.parse(source).body[0])
+
+    add(target.causal_lm.__name__, "load_weights", LOAD_WEIGHTS_METHOD)
+    for name in _base_models(model, emitted):
+        add(name, "init_parallel_plans", INIT_PARALLEL_PLANS_METHOD)
+    if target.module.__name__.startswith("transformers."):
+        classes = {cls.__name__: cls for module in model.modules() for cls in type(module).__mro__}
+        for name in emitted:
+            cls = classes.get(name)
+            is_base = cls is not None and not {base.__name__ for base in cls.__bases__} & set(emitted)
+            if is_base and issubclass(cls, PreTrainedModel):
+                add(name, "is_custom_code", IS_CUSTOM_CODE_METHOD)
+
+
+def _base_models(model: nn.Module, emitted: dict) -> list[str]:
+    """Emitted `PreTrainedModel` classes nested in the causal LM (the base models)."""
+    from transformers import PreTrainedModel
+
+    names = {type(m).__name__ for m in model.modules() if isinstance(m, PreTrainedModel) and m is not model}
+    return sorted(names & set(emitted))
 
 
 def _use(used: dict[str, tuple[ModuleType | None, str]], name: str, item) -> None:
@@ -132,22 +187,27 @@ def _use(used: dict[str, tuple[ModuleType | None, str]], name: str, item) -> Non
     used[alias] = (module, name)
 
 
-def _unreachable(outcomes: list[ClassOutcome], target: Target) -> list[ClassOutcome]:
-    """The outcomes with every fusion turned into a refusal: the causal LM never builds the fused classes.
+def _unreachable(outcomes: list[ClassOutcome], target: Target, stray: set[str]) -> list[ClassOutcome]:
+    """The outcomes with the fusions of `stray` classes turned into refusals: the causal LM never builds them.
 
-    This happens when a model constructs its submodels indirectly
-    (`AutoModel.from_config(config.text_config)`) rather than by class name.
+    This happens when a model constructs a submodule indirectly: through
+    `AutoModel.from_config(config.text_config)`, or by looking its class up
+    in a module-level table (`ATTENTION_CLASSES[config.attention_type]`).
     """
     reason = (
-        f"{target.causal_lm.__name__} does not construct this class by name (e.g. it goes through "
+        f"{target.causal_lm.__name__} does not construct this class by name (it goes through a class table or "
         "AutoModel.from_config), so a fused copy would never be used"
     )
     return [
-        ClassOutcome(
-            outcome.class_name,
-            [],
-            outcome.refused + [Refusal(plan.projections, "unreachable", reason) for plan in outcome.fused],
-            outcome.trace_error,
+        (
+            ClassOutcome(
+                outcome.class_name,
+                [],
+                outcome.refused + [Refusal(plan.projections, "unreachable", reason) for plan in outcome.fused],
+                outcome.trace_error,
+            )
+            if outcome.class_name in stray
+            else outcome
         )
         for outcome in outcomes
     ]
@@ -232,4 +292,4 @@ def _tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict, c
     none), and the base-model classes whose plans it replaces (see fusegen/runtime/tp.py)."""
     original = getattr(model.config, "base_model_tp_plan", None)
     plan, reason = fused_plan_from(original, _stacked_mapping(plans), parents)
-    return {"tp_plan": repr(plan) if plan else None, "tp_reason": reason, "tp_classes": classes}
+    return {"tp_plan": repr(plan) if plan else None, "tp_reason": reason}

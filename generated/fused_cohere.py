@@ -221,6 +221,11 @@ class FusedCoherePreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": FusedCohereDecoderLayer, "attentions": FusedCohereAttention}
 
+    @classmethod
+    def is_custom_code(cls):
+        """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
+        return False
+
 
 @auto_docstring
 class FusedCohereModel(FusedCoherePreTrainedModel):
@@ -283,6 +288,15 @@ class FusedCohereModel(FusedCoherePreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def init_parallel_plans(self):
+        """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
+
+        fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+        """
+        from fusegen.runtime import init_fused_parallel_plans
+
+        init_fused_parallel_plans(self, TP_PLAN)
 
 
 @auto_docstring
@@ -363,24 +377,8 @@ class FusedCohereForCausalLM(FusedCoherePreTrainedModel, GenerationMixin):
 
 
 register_stacked_checkpoint(
-    ["FusedCohereModel"],
-    STACKED_PARAMS_MAPPING,
-    parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]},
-    model_type="cohere",
+    ["FusedCohereModel"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]}
 )
-
-
-def _init_parallel_plans(self):
-    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
-
-    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
-    """
-    from fusegen.runtime import init_fused_parallel_plans
-
-    init_fused_parallel_plans(self, TP_PLAN)
-
-
-FusedCohereModel.init_parallel_plans = _init_parallel_plans
 
 __all__ = [
     "FusedCohereAttention",

@@ -174,6 +174,11 @@ class FusedDeepseekV3PreTrainedModel(PreTrainedModel):
             init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
 
+    @classmethod
+    def is_custom_code(cls):
+        """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
+        return False
+
 
 @auto_docstring
 class FusedDeepseekV3Model(FusedDeepseekV3PreTrainedModel):
@@ -236,6 +241,15 @@ class FusedDeepseekV3Model(FusedDeepseekV3PreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def init_parallel_plans(self):
+        """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
+
+        fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+        """
+        from fusegen.runtime import init_fused_parallel_plans
+
+        init_fused_parallel_plans(self, TP_PLAN)
 
 
 @auto_docstring
@@ -314,24 +328,8 @@ class FusedDeepseekV3ForCausalLM(FusedDeepseekV3PreTrainedModel, GenerationMixin
 
 
 register_stacked_checkpoint(
-    ["FusedDeepseekV3Model"],
-    STACKED_PARAMS_MAPPING,
-    parents={"gate_up_proj": ["mlp", "shared_experts"]},
-    model_type="deepseek_v3",
+    ["FusedDeepseekV3Model"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp", "shared_experts"]}
 )
-
-
-def _init_parallel_plans(self):
-    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
-
-    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
-    """
-    from fusegen.runtime import init_fused_parallel_plans
-
-    init_fused_parallel_plans(self, TP_PLAN)
-
-
-FusedDeepseekV3Model.init_parallel_plans = _init_parallel_plans
 
 __all__ = [
     "FusedDeepseekV3DecoderLayer",

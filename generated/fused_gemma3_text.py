@@ -235,6 +235,11 @@ class FusedGemma3PreTrainedModel(PreTrainedModel):
                 init.copy_(getattr(module, f"{layer_type}_inv_freq"), curr_inv_freq)
                 init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), curr_inv_freq)
 
+    @classmethod
+    def is_custom_code(cls):
+        """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
+        return False
+
 
 @auto_docstring
 class FusedGemma3TextModel(FusedGemma3PreTrainedModel):
@@ -311,6 +316,15 @@ class FusedGemma3TextModel(FusedGemma3PreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def init_parallel_plans(self):
+        """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
+
+        fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+        """
+        from fusegen.runtime import init_fused_parallel_plans
+
+        init_fused_parallel_plans(self, TP_PLAN)
 
 
 @auto_docstring
@@ -393,24 +407,8 @@ class FusedGemma3ForCausalLM(FusedGemma3PreTrainedModel, GenerationMixin):
 
 
 register_stacked_checkpoint(
-    ["FusedGemma3TextModel"],
-    STACKED_PARAMS_MAPPING,
-    parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]},
-    model_type="gemma3_text",
+    ["FusedGemma3TextModel"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]}
 )
-
-
-def _init_parallel_plans(self):
-    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
-
-    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
-    """
-    from fusegen.runtime import init_fused_parallel_plans
-
-    init_fused_parallel_plans(self, TP_PLAN)
-
-
-FusedGemma3TextModel.init_parallel_plans = _init_parallel_plans
 
 __all__ = [
     "FusedGemma3Attention",

@@ -190,6 +190,11 @@ class FusedMixtralPreTrainedModel(PreTrainedModel):
         elif isinstance(module, MixtralTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
 
+    @classmethod
+    def is_custom_code(cls):
+        """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
+        return False
+
 
 @auto_docstring
 class FusedMixtralModel(FusedMixtralPreTrainedModel):
@@ -253,6 +258,15 @@ class FusedMixtralModel(FusedMixtralPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def init_parallel_plans(self):
+        """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
+
+        fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+        """
+        from fusegen.runtime import init_fused_parallel_plans
+
+        init_fused_parallel_plans(self, TP_PLAN)
 
 
 @auto_docstring
@@ -346,22 +360,7 @@ class FusedMixtralForCausalLM(FusedMixtralPreTrainedModel, GenerationMixin):
         return stream_weights(self, weights)
 
 
-register_stacked_checkpoint(
-    ["FusedMixtralModel"], STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["self_attn"]}, model_type="mixtral"
-)
-
-
-def _init_parallel_plans(self):
-    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
-
-    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
-    """
-    from fusegen.runtime import init_fused_parallel_plans
-
-    init_fused_parallel_plans(self, TP_PLAN)
-
-
-FusedMixtralModel.init_parallel_plans = _init_parallel_plans
+register_stacked_checkpoint(["FusedMixtralModel"], STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["self_attn"]})
 
 __all__ = [
     "FusedMixtralAttention",

@@ -193,6 +193,11 @@ class FusedOlmo2PreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": FusedOlmo2DecoderLayer, "attentions": FusedOlmo2Attention}
 
+    @classmethod
+    def is_custom_code(cls):
+        """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
+        return False
+
 
 @auto_docstring
 class FusedOlmo2Model(FusedOlmo2PreTrainedModel):
@@ -255,6 +260,15 @@ class FusedOlmo2Model(FusedOlmo2PreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def init_parallel_plans(self):
+        """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
+
+        fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+        """
+        from fusegen.runtime import init_fused_parallel_plans
+
+        init_fused_parallel_plans(self, TP_PLAN)
 
 
 @auto_docstring
@@ -332,24 +346,8 @@ class FusedOlmo2ForCausalLM(FusedOlmo2PreTrainedModel, GenerationMixin):
 
 
 register_stacked_checkpoint(
-    ["FusedOlmo2Model"],
-    STACKED_PARAMS_MAPPING,
-    parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]},
-    model_type="olmo2",
+    ["FusedOlmo2Model"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]}
 )
-
-
-def _init_parallel_plans(self):
-    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
-
-    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
-    """
-    from fusegen.runtime import init_fused_parallel_plans
-
-    init_fused_parallel_plans(self, TP_PLAN)
-
-
-FusedOlmo2Model.init_parallel_plans = _init_parallel_plans
 
 __all__ = [
     "FusedOlmo2Attention",

@@ -204,6 +204,11 @@ class FusedQwen3PreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": FusedQwen3DecoderLayer, "attentions": FusedQwen3Attention}
 
+    @classmethod
+    def is_custom_code(cls):
+        """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
+        return False
+
 
 @auto_docstring
 class FusedQwen3Model(FusedQwen3PreTrainedModel):
@@ -271,6 +276,15 @@ class FusedQwen3Model(FusedQwen3PreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+    def init_parallel_plans(self):
+        """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
+
+        fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+        """
+        from fusegen.runtime import init_fused_parallel_plans
+
+        init_fused_parallel_plans(self, TP_PLAN)
 
 
 @auto_docstring
@@ -348,24 +362,8 @@ class FusedQwen3ForCausalLM(FusedQwen3PreTrainedModel, GenerationMixin):
 
 
 register_stacked_checkpoint(
-    ["FusedQwen3Model"],
-    STACKED_PARAMS_MAPPING,
-    parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]},
-    model_type="qwen3",
+    ["FusedQwen3Model"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]}
 )
-
-
-def _init_parallel_plans(self):
-    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
-
-    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
-    """
-    from fusegen.runtime import init_fused_parallel_plans
-
-    init_fused_parallel_plans(self, TP_PLAN)
-
-
-FusedQwen3Model.init_parallel_plans = _init_parallel_plans
 
 __all__ = [
     "FusedQwen3Attention",

@@ -208,6 +208,11 @@ class FusedQwen3MoePreTrainedModel(PreTrainedModel):
         elif isinstance(module, Qwen3MoeTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
 
+    @classmethod
+    def is_custom_code(cls):
+        """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
+        return False
+
 
 @auto_docstring
 class FusedQwen3MoeModel(FusedQwen3MoePreTrainedModel):
@@ -271,6 +276,15 @@ class FusedQwen3MoeModel(FusedQwen3MoePreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def init_parallel_plans(self):
+        """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
+
+        fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+        """
+        from fusegen.runtime import init_fused_parallel_plans
+
+        init_fused_parallel_plans(self, TP_PLAN)
 
 
 @auto_docstring
@@ -364,22 +378,7 @@ class FusedQwen3MoeForCausalLM(FusedQwen3MoePreTrainedModel, GenerationMixin):
         return stream_weights(self, weights)
 
 
-register_stacked_checkpoint(
-    ["FusedQwen3MoeModel"], STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["self_attn"]}, model_type="qwen3_moe"
-)
-
-
-def _init_parallel_plans(self):
-    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
-
-    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
-    """
-    from fusegen.runtime import init_fused_parallel_plans
-
-    init_fused_parallel_plans(self, TP_PLAN)
-
-
-FusedQwen3MoeModel.init_parallel_plans = _init_parallel_plans
+register_stacked_checkpoint(["FusedQwen3MoeModel"], STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["self_attn"]})
 
 __all__ = [
     "FusedQwen3MoeAttention",

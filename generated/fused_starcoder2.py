@@ -174,6 +174,11 @@ class FusedStarcoder2PreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": FusedStarcoder2DecoderLayer, "attentions": FusedStarcoder2Attention}
 
+    @classmethod
+    def is_custom_code(cls):
+        """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
+        return False
+
 
 @auto_docstring
 class FusedStarcoder2Model(FusedStarcoder2PreTrainedModel):
@@ -238,6 +243,15 @@ class FusedStarcoder2Model(FusedStarcoder2PreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+    def init_parallel_plans(self):
+        """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
+
+        fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
+        """
+        from fusegen.runtime import init_fused_parallel_plans
+
+        init_fused_parallel_plans(self, TP_PLAN)
 
 
 @auto_docstring
@@ -314,22 +328,7 @@ class FusedStarcoder2ForCausalLM(FusedStarcoder2PreTrainedModel, GenerationMixin
         return stream_weights(self, weights)
 
 
-register_stacked_checkpoint(
-    ["FusedStarcoder2Model"], STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["self_attn"]}, model_type="starcoder2"
-)
-
-
-def _init_parallel_plans(self):
-    """Transformers' parallel plans, with TP_PLAN's rules in place of the config's rules for the merged projections.
-
-    fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
-    """
-    from fusegen.runtime import init_fused_parallel_plans
-
-    init_fused_parallel_plans(self, TP_PLAN)
-
-
-FusedStarcoder2Model.init_parallel_plans = _init_parallel_plans
+register_stacked_checkpoint(["FusedStarcoder2Model"], STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["self_attn"]})
 
 __all__ = [
     "FusedStarcoder2Attention",

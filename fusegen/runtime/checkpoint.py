@@ -228,7 +228,6 @@ def register_stacked_checkpoint(
     class_names: str | Sequence[str],
     stacked: Mapping[str, Sequence[Any]],
     parents: Mapping[str, Sequence[str]] | None = None,
-    model_type: str | None = None,
 ) -> list[WeightConverter]:
     """Make `from_pretrained`/`save_pretrained` of the given classes read and write the canonical unfused layout.
 
@@ -237,19 +236,20 @@ def register_stacked_checkpoint(
     e.g. `{"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}`; the order must match the module's
     `output_sizes`. `parents`: merged linear name -> attribute names of the modules holding it (e.g. `["self_attn"]`).
 
-    `model_type`: the original model type. Its own built-in conversions (e.g. Mixtral's per-expert `w1`/`w3` ->
-    `experts.gate_up_proj`) are looked up by `model_type` for the original classes, but a fused class is found by its
-    class name only, so they are registered alongside ours: the fused model then reads every checkpoint the
-    original reads.
+    Transformers keys some built-in conversions by the original class name (`"Dots3NoteTextModel"`); a fused class
+    is looked up by its own name, so the original's class-keyed conversions are registered with ours. (Conversions
+    keyed by model type are found at the root as for the original class, because generated classes declare
+    themselves library code, see `is_custom_code` in a generated file.)
 
     Re-registering (re-import, `importlib.reload`) overwrites silently, because generated modules register at import
     time. Returns the converters built (a copy is registered per class name).
     """
     names = [class_names] if isinstance(class_names, str) else list(class_names)
-    builtin = (get_checkpoint_conversion_mapping(model_type) or []) if model_type else []
-    converters = [*builtin, *build_stacked_converters(stacked, parents)]
+    stacked_converters = build_stacked_converters(stacked, parents)
     for name in names:
         _check_registrable(name)
     for name in names:
+        original = get_checkpoint_conversion_mapping(name.removeprefix("Fused")) or []
+        converters = [*original, *stacked_converters]
         register_checkpoint_conversion_mapping(name, deepcopy(converters), overwrite=True)
-    return converters
+    return stacked_converters
