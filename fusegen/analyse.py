@@ -47,7 +47,12 @@ def analyse_class(
         candidate = copy.deepcopy(classdef)
         try:
             if plan.merged in vetoes:
-                raise Refused("ambiguous-checkpoint-names", vetoes[plan.merged])
+                rule = (
+                    "checkpoint-already-fused"
+                    if "already merged" in vetoes[plan.merged]
+                    else "ambiguous-checkpoint-names"
+                )
+                raise Refused(rule, vetoes[plan.merged])
             if plan.merged in taken:
                 raise Refused("name-clash", f"the class already uses the name {plan.merged}", taken[plan.merged])
             check_no_other_uses(candidate, plan)

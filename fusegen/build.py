@@ -77,12 +77,12 @@ def analyse(name: str) -> Analysis:
     model = instantiate(target)
     found = candidates(model)
     results = {cls: analyse_class(cls, instance, vars(sys.modules[cls.__module__])) for cls, instance in found.items()}
-    vetoes = checkpoint_conflicts(model, [outcome for outcome, _ in results.values()])
+    vetoes = _vetoes(model, [outcome for outcome, _ in results.values()])
     while vetoes:
         for cls, instance in found.items():
             if cls.__name__ in vetoes:
                 results[cls] = analyse_class(cls, instance, vars(sys.modules[cls.__module__]), vetoes[cls.__name__])
-        vetoes = checkpoint_conflicts(model, [outcome for outcome, _ in results.values()])
+        vetoes = _vetoes(model, [outcome for outcome, _ in results.values()])
     outcomes = [outcome for outcome, _ in results.values()]
     rewritten = {cls: classdef for cls, (_, classdef) in results.items() if classdef is not None}
     return Analysis(target, model, outcomes, rewritten)
@@ -244,6 +244,47 @@ def _parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[s
     """
     found = _parent_names(model, outcomes)
     return {merged: sorted(names) for merged, names in sorted(found.items()) if not any(n.isdigit() for n in names)}
+
+
+def _vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
+    """Fusions to refuse for reasons outside their class: `{class: {merged: reason}}`."""
+    vetoes = checkpoint_conflicts(model, outcomes)
+    for class_name, reasons in prefused_checkpoints(model, outcomes).items():
+        vetoes.setdefault(class_name, {}).update(reasons)
+    return vetoes
+
+
+def prefused_checkpoints(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
+    """Fusions whose projections the model's checkpoints already store merged.
+
+    Transformers splits such a tensor on load (`query_key_value` -> q/k/v) with
+    a conversion of its own, and applies at most one conversion per tensor, so
+    ours would never see the pieces: refused, with the checkpoint's name.
+    """
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    keys = [model.config.model_type] + [type(m).__name__ for m in model.modules() if isinstance(m, PreTrainedModel)]
+    splits = [
+        (converter.source_patterns, converter.target_patterns)
+        for key in dict.fromkeys(keys)
+        for converter in get_checkpoint_conversion_mapping(key) or []
+        if len(getattr(converter, "target_patterns", [])) > 1
+    ]
+    vetoes: dict[str, dict[str, str]] = {}
+    for outcome in outcomes:
+        for plan in outcome.fused:
+            for sources, targets in splits:
+                pieces = {
+                    target.removesuffix(".weight").removesuffix(".bias").rpartition(".")[2] for target in targets
+                }
+                if pieces & set(plan.projections):
+                    vetoes.setdefault(outcome.class_name, {}).setdefault(
+                        plan.merged,
+                        f"checkpoints store {', '.join(sources)} already merged (Transformers splits it into "
+                        f"{', '.join(sorted(pieces))} on load)",
+                    )
+    return vetoes
 
 
 def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:

@@ -1,0 +1,26 @@
+"""Refusals decided outside one class: checkpoints already merged, fused classes the model never builds."""
+
+from fusegen.build import analyse, build
+
+
+def rules(outcomes):
+    return {(outcome.class_name, refusal.rule) for outcome in outcomes for refusal in outcome.refused}
+
+
+def test_checkpoint_that_already_stores_qkv_merged_is_refused():
+    # sarvam_moe checkpoints hold `query_key_value`, which Transformers splits into q/k/v on load.
+    outcomes = analyse("sarvam_moe").outcomes
+    assert ("Glm4MoeAttention", "checkpoint-already-fused") in rules(outcomes)
+    assert any(plan.merged == "gate_up_proj" for outcome in outcomes for plan in outcome.fused)
+
+
+def test_class_picked_from_a_class_table_is_refused_as_unreachable():
+    # GPTNeoAttention builds GPT_NEO_ATTENTION_CLASSES[...](...): a fused self-attention would never be used.
+    result = build("gpt_neo")
+    assert ("GPTNeoSelfAttention", "unreachable") in rules(result.outcomes)
+    assert result.text is None or "FusedGPTNeoSelfAttention" not in result.text
+
+
+def test_transformers_models_declare_themselves_library_code():
+    text = build("llama").text
+    assert "def is_custom_code(cls):" in text
