@@ -77,26 +77,42 @@ def classes_to_emit(
 
 
 def constructed_classes(emitted: dict[str, Emitted], root: str) -> set[str]:
-    """Emitted classes the causal LM `root` actually builds: by a constructor call, or as a base.
+    """Emitted classes the causal LM `root` can actually build: named in a method (not in a type check), or a base.
 
     A class picked out of a module-level table (`ATTENTION_CLASSES[kind](...)`)
-    or built through `AutoModel.from_config` is never called by name; its
-    fused copy would sit unused in the generated file, so its fusion is refused.
+    or built through `AutoModel.from_config` is never named where it is built;
+    its fused copy would sit unused in the generated file (and type checks
+    renamed to it would stop matching the original that is built instead), so
+    its fusion is refused.
     """
     reached = {root} if root in emitted else set()
     frontier = list(reached)
     while frontier:
         classdef = emitted[frontier.pop()].classdef
-        called = {
-            node.func.id
-            for node in ast.walk(classdef)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-        }
+        named = set().union(*(_built_names(stmt) for stmt in classdef.body if isinstance(stmt, ast.FunctionDef)))
         bases = {base.id for base in classdef.bases if isinstance(base, ast.Name)}
-        for name in (called | bases) & set(emitted) - reached:
+        for name in (named | bases) & set(emitted) - reached:
             reached.add(name)
             frontier.append(name)
     return reached
+
+
+def _built_names(function: ast.FunctionDef) -> set[str]:
+    """Names a method reads, except as the type in `isinstance`/`issubclass` (a check, not a construction)."""
+    checked = {
+        id(node)
+        for call in ast.walk(function)
+        if isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Name)
+        and call.func.id in ("isinstance", "issubclass")
+        for argument in call.args[1:]
+        for node in ast.walk(argument)
+    }
+    return {
+        node.id
+        for node in ast.walk(function)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and id(node) not in checked
+    }
 
 
 def _definition_order(emitted: dict[str, Emitted], target_module: ModuleType) -> dict[str, Emitted]:
