@@ -47,12 +47,8 @@ def analyse_class(
         candidate = copy.deepcopy(classdef)
         try:
             if plan.merged in vetoes:
-                rule = (
-                    "checkpoint-already-fused"
-                    if "already merged" in vetoes[plan.merged]
-                    else "ambiguous-checkpoint-names"
-                )
-                raise Refused(rule, vetoes[plan.merged])
+                reason = vetoes[plan.merged]
+                raise Refused(_veto_rule(reason), reason)
             if plan.merged in taken:
                 raise Refused("name-clash", f"the class already uses the name {plan.merged}", taken[plan.merged])
             check_no_other_uses(candidate, plan)
@@ -67,6 +63,15 @@ def analyse_class(
         taken[plan.merged] = None
         outcome.fused.append(plan)
     return outcome, (classdef if outcome.fused else None)
+
+
+def _veto_rule(reason: str) -> str:
+    """The rule name of a veto found outside the class (see `fusegen.build._vetoes`), from its reason."""
+    if "already merged" in reason:
+        return "checkpoint-already-fused"
+    if "which fusion removes" in reason:
+        return "outside-reference"
+    return "ambiguous-checkpoint-names"
 
 
 def _same_spelling_subplans(forward: ast.FunctionDef, plan: FusionPlan) -> list[FusionPlan]:

@@ -18,7 +18,7 @@ from fusegen.analyse import analyse_class
 from fusegen.errors import InputError
 from fusegen.imports import global_names, import_lines
 from fusegen.instantiate import candidates, instantiate
-from fusegen.plan import ClassOutcome, FusionPlan, Refusal
+from fusegen.plan import ClassOutcome, FusionPlan, Refusal, Refused
 from fusegen.propagate import classes_to_emit, constructed_classes, fused_name, rename_classes
 from fusegen.render import render
 from fusegen.resolve import Target, resolve
@@ -249,8 +249,43 @@ def _parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[s
 def _vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
     """Fusions to refuse for reasons outside their class: `{class: {merged: reason}}`."""
     vetoes = checkpoint_conflicts(model, outcomes)
-    for class_name, reasons in prefused_checkpoints(model, outcomes).items():
-        vetoes.setdefault(class_name, {}).update(reasons)
+    for found in (prefused_checkpoints(model, outcomes), outside_references(model, outcomes)):
+        for class_name, reasons in found.items():
+            vetoes.setdefault(class_name, {}).update(reasons)
+    return vetoes
+
+
+def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
+    """Fusions whose projections other code reaches into (`module.q_proj` in `_init_weights`).
+
+    The projection no longer exists after fusion, so such code would fail or
+    silently skip it. Any `<expr>.<projection>` outside `self.` in the model's
+    classes counts: a false alarm costs a fusion, a miss breaks loading.
+    """
+    names = {plan.merged: (o.class_name, plan.projections) for o in outcomes for plan in o.fused}
+    if not names:
+        return {}
+    vetoes: dict[str, dict[str, str]] = {}
+    classes = {
+        cls
+        for module in model.modules()
+        for cls in type(module).__mro__
+        if cls.__module__.startswith(("transformers.models.", type(model).__module__))
+    }
+    for cls in sorted(classes, key=lambda c: (c.__module__, c.__name__)):
+        try:
+            classdef = astutil.parse_class(cls)
+        except Refused:
+            continue
+        for node in ast.walk(classdef):
+            if not isinstance(node, ast.Attribute) or astutil.self_attr(node):
+                continue
+            for merged, (class_name, projections) in names.items():
+                if node.attr in projections:
+                    vetoes.setdefault(class_name, {}).setdefault(
+                        merged,
+                        f"{cls.__name__} reads `{ast.unparse(node)}` (line {node.lineno}), which fusion removes",
+                    )
     return vetoes
 
 

@@ -24,3 +24,9 @@ def test_class_picked_from_a_class_table_is_refused_as_unreachable():
 def test_transformers_models_declare_themselves_library_code():
     text = build("llama").text
     assert "def is_custom_code(cls):" in text
+
+
+def test_projection_reached_from_another_class_is_refused():
+    # ModernBertDecoderPreTrainedModel._init_weights reads `module.q_proj`, which a fused attention lacks.
+    outcomes = analyse("modernbert-decoder").outcomes
+    assert ("ModernBertDecoderAttention", "outside-reference") in rules(outcomes)
