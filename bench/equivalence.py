@@ -1,0 +1,37 @@
+"""Print max abs logit diff and greedy agreement, original vs fused, llama and qwen2 (tiny random configs).
+
+Run from the repository root: python bench/equivalence.py. The same cases are asserted in tests/test_equivalence.py.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tempfile
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from generated.fused_llama import FusedLlamaForCausalLM
+from generated.fused_qwen2 import FusedQwen2ForCausalLM
+from tests.conftest import random_model, tiny_config
+
+for name, cc, oc, fc in [
+    ("llama", LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
+    ("qwen2", Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
+]:
+    for kv in (4, 2, 1):
+        for attn in ("eager", "sdpa"):
+            d = tempfile.mkdtemp()
+            random_model(oc, tiny_config(cc, num_key_value_heads=kv)).save_pretrained(d)
+            o = oc.from_pretrained(d, attn_implementation=attn).eval()
+            f = fc.from_pretrained(d, attn_implementation=attn).eval()
+            x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                diff = (o(x).logits - f(x).logits).abs().max().item()
+            g = torch.equal(
+                o.generate(x[:1, :5], max_new_tokens=16, min_new_tokens=16, do_sample=False),
+                f.generate(x[:1, :5], max_new_tokens=16, min_new_tokens=16, do_sample=False),
+            )
+            print(f"{name} kv={kv} {attn}: max abs diff {diff:.2e}, greedy16 identical={g}")
