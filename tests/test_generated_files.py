@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from fusegen.build import build
-from fusegen.resolve import resolve
 from fusegen.render import format_source
+from fusegen.resolve import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "generated"
