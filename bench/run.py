@@ -1,6 +1,7 @@
 """Fused vs original, side by side: decode, prefill, roofline, load and build figures in one command (not a test).
 
-    /work/venv/bin/python bench/run.py [--quick] [--json OUT] [--threads N] [--no-compile] [--only SECTIONS]
+    /work/venv/bin/python bench/run.py [--quick] [--json OUT] [--markdown OUT] [--threads N] [--no-compile]
+                                       [--only SECTIONS] [--noise-threshold CORES] [--wait-quiet SECONDS]
 
 Everything runtime-related runs in this one process, original (A) and fused (B) interleaved A B A B ... after warm-up,
 so drift in machine load hits both alike; figures are medians over repetitions and ratios are fused / original
@@ -79,7 +80,23 @@ SHAPES = {
         "use_sliding_window": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     },
+    # Overhead-bound control (not a real model): so small that a decode step is mostly Python/dispatch/launch
+    # overhead rather than weight streaming -- the regime where merging GEMMs pays on any hardware. fp32 only;
+    # each timed repetition runs `repeat` x more calls so a round stays long enough for the noise check.
+    "tiny": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 2048,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
 }
+SHAPE_DTYPES = {"tiny": ("fp32",)}  # default: DTYPES
+SHAPE_REPEAT = {"tiny": 20}  # default: 1
 
 DTYPES = ("fp32", "bf16")
 
@@ -190,7 +207,7 @@ def write_checkpoints(shape: str, layers: int, directory: Path) -> dict[str, Pat
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     paths = {}
-    for dtype in DTYPES:
+    for dtype in SHAPE_DTYPES.get(shape, DTYPES):
         path = directory / f"{shape}-{dtype}"
         model.to(torch_dtype(dtype)).save_pretrained(path)
         paths[dtype] = path
@@ -404,14 +421,16 @@ def decode_step_runner(model, cache, tokens, steps: int):
     return in_process(run)
 
 
-def prefill_runner(model, ids):
+def prefill_runner(model, ids, repeat: int = 1):
+    """Time a prompt forward (mean of `repeat` calls) the way generate() runs it: fresh cache, last logits only."""
     import torch
 
     def run() -> float:
         with torch.inference_mode():
             start = time.perf_counter()
-            model(ids, use_cache=True, logits_to_keep=1)  # what generate() does for the prompt
-            return time.perf_counter() - start
+            for _ in range(repeat):
+                model(ids, use_cache=True, logits_to_keep=1)
+            return (time.perf_counter() - start) / repeat
 
     return in_process(run)
 
@@ -459,7 +478,7 @@ def bench_runtime(shape: str, dtype: str, path: Path, cfg: dict, bandwidth: floa
             assert all(c.layers[0].keys.shape[0] == batch and c.get_seq_length() == cache_len for c in caches)
             tokens = torch.randint(0, vocab, (batch, 1), generator=generator)
             big = batch > 1
-            steps = cfg["decode_steps_big"] if big else cfg["decode_steps"]
+            steps = (cfg["decode_steps_big"] if big else cfg["decode_steps"]) * SHAPE_REPEAT.get(shape, 1)
             reps = cfg["decode_reps_big"] if big else cfg["decode_reps"]
             runners = [decode_step_runner(m, c, tokens, steps) for m, c in zip((original, fused), caches)]
             control = batch == 1 and cache_len == cfg["cache_lens"][0]
@@ -497,7 +516,7 @@ def bench_runtime(shape: str, dtype: str, path: Path, cfg: dict, bandwidth: floa
         gc.collect()
 
     ids = torch.randint(0, vocab, (1, cfg["prefill_len"]), generator=generator)
-    runners = [prefill_runner(m, ids) for m in (original, fused)]
+    runners = [prefill_runner(m, ids, SHAPE_REPEAT.get(shape, 1)) for m in (original, fused)]
     (a, b), info = SAMPLER.interleaved(runners, cfg["prefill_warmup"], cfg["prefill_reps"])
     row = summarise(a, b, info)
     row.update(tokens=cfg["prefill_len"])
@@ -843,6 +862,90 @@ def print_tables(results: dict) -> None:
         )
 
 
+def markdown_tables(results: dict) -> str:
+    """The figures as Markdown tables (what docs/benchmarks.md shows)."""
+    m = results["machine"]
+    lines = [
+        (
+            f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['cpu_capability']}), transformers "
+            f"{m['transformers']}, Python {m['python']}, `torch.set_num_threads({m['threads']})`, {m['layers']} "
+            f"layers. 1 GiB copy at start: {results['bandwidth']['copy_gbps']:.1f} GB/s (read + write), 1 GiB read: "
+            f"{results['bandwidth']['read_gbps']:.1f} GB/s."
+        ),
+        "",
+        (
+            "| decode step | original ms | fused ms | fused / original | paired-ratio IQR | clean rounds | copy GB/s "
+            "| floor ms | fused / floor | A/A control |"
+        ),
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for key, r in results["decode"].items():
+        bw = f"{r['copy_gbps']:.1f}" if "_b1_" in key else "(start)"  # b1 rows measure it in their own rounds
+        lines.append(
+            f"| {key} | {r['orig_ms']:.1f} | {r['fused_ms']:.1f} | **{r['ratio']:.3f}** | "
+            f"{r['paired_iqr'][0]:.3f}-{r['paired_iqr'][1]:.3f} | {r['used_rounds']}/{r['rounds']}"
+            f"{' noisy' if r['noisy'] else ''} | {bw} | {r['floor_ms']:.1f} | {r['fused_floor_fraction']:.0%} | "
+            + (f"{r['aa_ratio']:.3f} |" if "aa_ratio" in r else " |")
+        )
+    lines += [
+        "",
+        "| prefill (1 x 512 tokens) | original ms | fused ms | fused / original | paired-ratio IQR | clean rounds |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    for key, r in results["prefill"].items():
+        lines.append(
+            f"| {key} | {r['orig_ms']:.0f} | {r['fused_ms']:.0f} | **{r['ratio']:.3f}** | "
+            f"{r['paired_iqr'][0]:.3f}-{r['paired_iqr'][1]:.3f} | {r['used_rounds']}/{r['rounds']}"
+            f"{' noisy' if r['noisy'] else ''} |"
+        )
+    if results["load"]:
+        lines += [
+            "",
+            (
+                "| load (bf16 checkpoint, fresh process) | from_pretrained s | first forward s | load ratio | "
+                "peak RSS MiB | RSS ratio |"
+            ),
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for key, r in results["load"].items():
+            for v in ("orig", "fused"):
+                x = r[v]
+                ratio = f"**{r['load_ratio']:.2f}**" if v == "fused" else ""
+                rss = f"**{r['rss_ratio']:.2f}**" if v == "fused" else ""
+                lines.append(
+                    f"| {key} {v} | {x['from_pretrained_s']:.2f} | {x['first_forward_s']:.2f} | {ratio} | "
+                    f"{x['peak_rss_mib']:.0f} | {rss} |"
+                )
+    build = results.get("build", {})
+    if "build_s" in build:
+        lines += [
+            "",
+            "| build | seconds |",
+            "|---|---:|",
+            f"| `fusegen build llama qwen2` | {build['build_s']:.2f} |",
+            f"| import floor (import both modeling modules) | {build['import_floor_s']:.2f} |",
+            f"| ratio | **{build['ratio']:.2f}** |",
+        ]
+    comp = results.get("compile")
+    if comp and "error" not in comp:
+        e, c = comp["eager"], comp["compiled"]
+        lines += [
+            "",
+            "| torch.compile, llama1b fp32 b1 kv128 | original ms | fused ms | fused / original | clean rounds |",
+            "|---|---:|---:|---:|---|",
+            (
+                f"| eager | {e['orig_ms']:.1f} | {e['fused_ms']:.1f} | {e['ratio']:.3f} | "
+                f"{e['used_rounds']}/{e['rounds']}{' noisy' if e['noisy'] else ''} |"
+            ),
+            (
+                f"| compiled (compile {comp['orig_compile_s']:.0f} s / {comp['fused_compile_s']:.0f} s) | "
+                f"{c['orig_ms']:.1f} | {c['fused_ms']:.1f} | {c['ratio']:.3f} | {c['used_rounds']}/{c['rounds']}"
+                f"{' noisy' if c['noisy'] else ''} |"
+            ),
+        ]
+    return "\n".join(lines) + "\n"
+
+
 def check_targets(flat: dict) -> list[str]:
     def fmt(v):
         return "n/a" if v is None else f"{v:.3f}"
@@ -873,10 +976,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer layers and repetitions; no torch.compile (<3 min)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the flat figures as JSON (and OUT.full.json)")
+    parser.add_argument("--markdown", type=Path, metavar="OUT", help="write the figures as Markdown tables")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: cores)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile experiment")
     parser.add_argument(
         "--only", default="runtime,load,compile,build", help="comma-separated sections: runtime,load,compile,build"
+    )
+    parser.add_argument(
+        "--shapes", default=",".join(SHAPES), help=f"comma-separated runtime shapes (default: {','.join(SHAPES)})"
     )
     parser.add_argument(
         "--noise-threshold",
@@ -945,19 +1052,24 @@ def main() -> None:
     )
 
     only = {part.strip() for part in args.only.split(",")}
+    shapes = [shape.strip() for shape in args.shapes.split(",")] if "runtime" in only else []
+    written = list(shapes)
+    if only & {"load", "compile"}:  # these use the llama1b (and qwen05b) checkpoints
+        written = list(dict.fromkeys([*written, "llama1b", "qwen05b"]))
     sections: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="fusegen-bench-") as tmp:
         paths = {}
         if only & {"runtime", "load", "compile"}:
-            for shape in SHAPES:
+            for shape in written:
                 start = time.perf_counter()
                 paths[shape] = write_checkpoints(shape, cfg["layers"], Path(tmp))
                 log(
-                    f"wrote {shape} ({cfg['layers']} layers) fp32 + bf16 checkpoints in {time.perf_counter() - start:.1f} s"
+                    f"wrote {shape} ({cfg['layers']} layers) {' + '.join(paths[shape])} checkpoints in "
+                    f"{time.perf_counter() - start:.1f} s"
                 )
         if "runtime" in only:
-            for shape in SHAPES:
-                for dtype in DTYPES:
+            for shape in shapes:
+                for dtype in SHAPE_DTYPES.get(shape, DTYPES):
                     start = time.perf_counter()
                     log(f"\n[{shape} {dtype}]")
                     bench_runtime(shape, dtype, paths[shape][dtype], cfg, bw["copy_gbps"], results)
@@ -1009,6 +1121,9 @@ def main() -> None:
         full = args.json.with_name(args.json.stem + ".full.json")
         full.write_text(json.dumps(results, indent=1, default=str) + "\n")
         log(f"wrote {args.json} (flat) and {full} (everything)")
+    if args.markdown:
+        args.markdown.write_text(markdown_tables(results))
+        log(f"wrote {args.markdown}")
 
 
 if __name__ == "__main__":
