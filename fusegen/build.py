@@ -45,6 +45,12 @@ def is_custom_code(cls):
     """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
     return False
 '''
+CAN_SET_EXPERTS_METHOD = '''
+@classmethod
+def _can_set_experts_implementation(cls):
+    """The experts classes live in the original module, which has the decorator Transformers looks for here."""
+    return True
+'''
 LOAD_WEIGHTS_METHOD = '''
 def load_weights(self, weights):
     """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model."""
@@ -141,7 +147,10 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
     - the base models' `init_parallel_plans`, so tensor parallelism shards the merged linears by partition;
     - `is_custom_code() -> False` on the pretrained base of a Transformers model: otherwise the copies count as
       custom code, which loads and initialises differently (non-persistent buffers filled in `_init_weights`
-      are skipped, model-type checkpoint conversions are not applied at the root).
+      are skipped, model-type checkpoint conversions are not applied at the root);
+    - `_can_set_experts_implementation() -> True` on that base when the original answers True: Transformers
+      decides by searching the class's module source for the experts decorator, and the experts classes stay in
+      the original module, so without it a fused MoE model silently falls back to the eager per-expert loop.
     """
     from transformers import PreTrainedModel
 
@@ -159,6 +168,8 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
             is_base = cls is not None and not {base.__name__ for base in cls.__bases__} & set(emitted)
             if is_base and issubclass(cls, PreTrainedModel):
                 add(name, "is_custom_code", IS_CUSTOM_CODE_METHOD)
+                if getattr(cls, "_can_set_experts_implementation", lambda: False)():
+                    add(name, "_can_set_experts_implementation", CAN_SET_EXPERTS_METHOD)
 
 
 def _base_models(model: nn.Module, emitted: dict) -> list[str]:

@@ -195,6 +195,11 @@ class FusedMixtralPreTrainedModel(PreTrainedModel):
         """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
         return False
 
+    @classmethod
+    def _can_set_experts_implementation(cls):
+        """The experts classes live in the original module, which has the decorator Transformers looks for here."""
+        return True
+
 
 @auto_docstring
 class FusedMixtralModel(FusedMixtralPreTrainedModel):

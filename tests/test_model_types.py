@@ -57,6 +57,8 @@ def test_fused_model_matches_original(model_type, tmp_path):
     fused, info = fused_class.from_pretrained(tmp_path / "original", output_loading_info=True)
     assert not any(info.values()), info
     fused.eval()
+    # Same kernels, not just same maths: MoE experts keep Transformers' grouped_mm implementation (eager for dense).
+    assert fused.config._experts_implementation == original.config._experts_implementation
 
     input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
