@@ -397,6 +397,33 @@ def memory_bandwidth(reps: int) -> dict:
     }
 
 
+def gemv_bandwidth(reps: int) -> dict:
+    """GB/s of weight read by one lm_head-sized linear at batch 1 (1 x 2048 @ 2048 x 128256), per dtype.
+
+    The copy bandwidth is what memory can do; this is what the GEMM library's batch-1 kernel does with it here. A
+    decode step is a chain of such calls, so this -- not the copy figure -- is the ceiling any rewrite of the model
+    code (fusion included) can approach without replacing the kernel.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    for name in DTYPES:
+        weight = torch.empty(128256, 2048, dtype=torch_dtype(name)).uniform_(-0.03, 0.03)
+        x = torch.randn(1, 2048).to(weight.dtype)
+
+        def run(weight=weight, x=x) -> float:
+            with torch.inference_mode():
+                start = time.perf_counter()
+                F.linear(x, weight)
+                return time.perf_counter() - start
+
+        (times,), _ = SAMPLER.interleaved([in_process(run)], 1, reps)
+        out[name] = weight.numel() * weight.element_size() / median(times) / 1e9
+        del weight
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # runtime: decode, prefill, numerics (one process)
 
@@ -452,7 +479,7 @@ def numerics(original, fused, vocab: int) -> dict:
     return {"prompt": prompt, "decode": step}
 
 
-def bench_runtime(shape: str, dtype: str, path: Path, cfg: dict, bandwidth: float, results: dict) -> None:
+def bench_runtime(shape: str, dtype: str, path: Path, cfg: dict, bandwidth: float, gemv: float, results: dict) -> None:
     import torch
 
     original, fused = load_pair(path, dtype)
@@ -501,6 +528,7 @@ def bench_runtime(shape: str, dtype: str, path: Path, cfg: dict, bandwidth: floa
                 floor_ms=floor_s * 1e3,
                 fused_floor_fraction=floor_s / median(b),
                 orig_floor_fraction=floor_s / median(a),
+                fused_gemv_fraction=weight_bytes / (gemv * 1e9) / median(b),
                 steps=steps,
             )
             key = f"{shape}_{dtype}_b{batch}_kv{cache_len}"
@@ -509,7 +537,7 @@ def bench_runtime(shape: str, dtype: str, path: Path, cfg: dict, bandwidth: floa
                 f"  decode  {key:26} orig {row['orig_ms']:8.2f} ms  fused {row['fused_ms']:8.2f} ms  "
                 f"ratio {row['ratio']:.3f} (paired IQR {row['paired_iqr'][0]:.3f}-{row['paired_iqr'][1]:.3f}, "
                 f"{noise_note(row)})  floor {row['floor_ms']:.1f} ms at {row['copy_gbps']:.1f} GB/s: "
-                f"fused at {row['fused_floor_fraction']:.0%}"
+                f"fused at {row['fused_floor_fraction']:.0%} (of the GEMV ceiling: {row['fused_gemv_fraction']:.0%})"
                 + (f"; A/A control (fused again / fused) {row['aa_ratio']:.3f}" if "aa_ratio" in row else "")
             )
         del caches
@@ -789,6 +817,9 @@ def flat_keys(results: dict) -> dict:
         flat[f"prefill_ratio_{dtype}"] = get(pre, f"llama1b_{dtype}_prefill512", "ratio")
     flat["decode_roofline_fraction"] = get(dec, "llama1b_fp32_b1_kv128", "fused_floor_fraction")
     flat["decode_roofline_fraction_bf16"] = get(dec, "llama1b_bf16_b1_kv128", "fused_floor_fraction")
+    for dtype in DTYPES:  # the same step against what the batch-1 GEMM kernel achieves on its own
+        flat[f"decode_gemv_ceiling_fraction_{dtype}"] = get(dec, f"llama1b_{dtype}_b1_kv128", "fused_gemv_fraction")
+        flat[f"gemv_bandwidth_gbps_{dtype}"] = results["bandwidth"]["gemv_gbps"][dtype]
     load = results["load"].get("llama1b_bf16", {})
     flat["load_ratio"] = load.get("load_ratio")
     flat["load_rss_ratio"] = load.get("rss_ratio")
@@ -845,13 +876,13 @@ def print_tables(results: dict) -> None:
     log("\n== decode step, ms (median of clean rounds); ratio = fused / original; floor = weight bytes / copy BW ==")
     log(
         f"{'config':28} {'orig':>9} {'fused':>9} {'ratio':>6}  {'paired IQR':>11}  {'rounds':>12} {'GB/s':>5} "
-        f"{'floor':>7} {'fused/floor':>11} {'A/A':>6}"
+        f"{'floor':>7} {'fused/floor':>11} {'fused/GEMV':>10} {'A/A':>6}"
     )
     for key, r in results["decode"].items():
         log(
             f"{key:28} {r['orig_ms']:9.2f} {r['fused_ms']:9.2f} {r['ratio']:6.3f}  "
             f"{r['paired_iqr'][0]:.3f}-{r['paired_iqr'][1]:.3f}  {noise_note(r):>12} {r['copy_gbps']:5.1f} "
-            f"{r['floor_ms']:7.1f} {r['fused_floor_fraction']:11.0%} "
+            f"{r['floor_ms']:7.1f} {r['fused_floor_fraction']:11.0%} {r['fused_gemv_fraction']:10.0%} "
             + (f"{r['aa_ratio']:6.3f}" if "aa_ratio" in r else f"{'':6}")
         )
     log("\n== prefill, ms (batch 1, logits for the last token only) ==")
@@ -870,14 +901,16 @@ def markdown_tables(results: dict) -> str:
             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['cpu_capability']}), transformers "
             f"{m['transformers']}, Python {m['python']}, `torch.set_num_threads({m['threads']})`, {m['layers']} "
             f"layers. 1 GiB copy at start: {results['bandwidth']['copy_gbps']:.1f} GB/s (read + write), 1 GiB read: "
-            f"{results['bandwidth']['read_gbps']:.1f} GB/s."
+            f"{results['bandwidth']['read_gbps']:.1f} GB/s. Batch-1 GEMV ceiling (1 x 2048 @ 2048 x 128256): "
+            + ", ".join(f"{k} {v:.1f} GB/s" for k, v in results["bandwidth"]["gemv_gbps"].items())
+            + "."
         ),
         "",
         (
             "| decode step | original ms | fused ms | fused / original | paired-ratio IQR | clean rounds | copy GB/s "
-            "| floor ms | fused / floor | A/A control |"
+            "| floor ms | fused / floor | fused / GEMV ceiling | A/A control |"
         ),
-        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for key, r in results["decode"].items():
         bw = f"{r['copy_gbps']:.1f}" if "_b1_" in key else "(start)"  # b1 rows measure it in their own rounds
@@ -885,7 +918,7 @@ def markdown_tables(results: dict) -> str:
             f"| {key} | {r['orig_ms']:.1f} | {r['fused_ms']:.1f} | **{r['ratio']:.3f}** | "
             f"{r['paired_iqr'][0]:.3f}-{r['paired_iqr'][1]:.3f} | {r['used_rounds']}/{r['rounds']}"
             f"{' noisy' if r['noisy'] else ''} | {bw} | {r['floor_ms']:.1f} | {r['fused_floor_fraction']:.0%} | "
-            + (f"{r['aa_ratio']:.3f} |" if "aa_ratio" in r else " |")
+            f"{r['fused_gemv_fraction']:.0%} | " + (f"{r['aa_ratio']:.3f} |" if "aa_ratio" in r else " |")
         )
     lines += [
         "",
@@ -1050,6 +1083,11 @@ def main() -> None:
         f"memory bandwidth: 1 GiB copy_ {bw['copy_gbps']:.1f} GB/s (read+write, median; best {bw['copy_gbps_best']:.1f}), "
         f"1 GiB read (sum) {bw['read_gbps']:.1f} GB/s ({noise_note(bw)})"
     )
+    bw["gemv_gbps"] = gemv_bandwidth(cfg["bw_reps"])
+    log(
+        "batch-1 GEMV ceiling (1 x 2048 @ 2048 x 128256): "
+        + ", ".join(f"{name} {gbps:.1f} GB/s" for name, gbps in bw["gemv_gbps"].items())
+    )
 
     only = {part.strip() for part in args.only.split(",")}
     shapes = [shape.strip() for shape in args.shapes.split(",")] if "runtime" in only else []
@@ -1072,7 +1110,9 @@ def main() -> None:
                 for dtype in SHAPE_DTYPES.get(shape, DTYPES):
                     start = time.perf_counter()
                     log(f"\n[{shape} {dtype}]")
-                    bench_runtime(shape, dtype, paths[shape][dtype], cfg, bw["copy_gbps"], results)
+                    bench_runtime(
+                        shape, dtype, paths[shape][dtype], cfg, bw["copy_gbps"], bw["gemv_gbps"][dtype], results
+                    )
                     sections[f"{shape}_{dtype}"] = time.perf_counter() - start
 
         if "load" in only:
