@@ -148,9 +148,10 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
     - `is_custom_code() -> False` on the pretrained base of a Transformers model: otherwise the copies count as
       custom code, which loads and initialises differently (non-persistent buffers filled in `_init_weights`
       are skipped, model-type checkpoint conversions are not applied at the root);
-    - `_can_set_experts_implementation() -> True` on that base when the original answers True: Transformers
-      decides by searching the class's module source for the experts decorator, and the experts classes stay in
-      the original module, so without it a fused MoE model silently falls back to the eager per-expert loop.
+    - `_can_set_experts_implementation() -> True` on the pretrained base of any model whose original answers True:
+      Transformers decides by searching the class's module source for the experts decorator, and the experts
+      classes stay in the original module, so without it a fused MoE model silently falls back to the eager
+      per-expert loop.
     """
     from transformers import PreTrainedModel
 
@@ -161,15 +162,16 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
     add(target.causal_lm.__name__, "load_weights", LOAD_WEIGHTS_METHOD)
     for name in _base_models(model, emitted):
         add(name, "init_parallel_plans", INIT_PARALLEL_PLANS_METHOD)
-    if target.module.__name__.startswith("transformers."):
-        classes = {cls.__name__: cls for module in model.modules() for cls in type(module).__mro__}
-        for name in emitted:
-            cls = classes.get(name)
-            is_base = cls is not None and not {base.__name__ for base in cls.__bases__} & set(emitted)
-            if is_base and issubclass(cls, PreTrainedModel):
-                add(name, "is_custom_code", IS_CUSTOM_CODE_METHOD)
-                if getattr(cls, "_can_set_experts_implementation", lambda: False)():
-                    add(name, "_can_set_experts_implementation", CAN_SET_EXPERTS_METHOD)
+    classes = {cls.__name__: cls for module in model.modules() for cls in type(module).__mro__}
+    for name in emitted:
+        cls = classes.get(name)
+        is_base = cls is not None and not {base.__name__ for base in cls.__bases__} & set(emitted)
+        if not (is_base and issubclass(cls, PreTrainedModel)):
+            continue
+        if target.module.__name__.startswith("transformers."):
+            add(name, "is_custom_code", IS_CUSTOM_CODE_METHOD)
+        if getattr(cls, "_can_set_experts_implementation", lambda: False)():
+            add(name, "_can_set_experts_implementation", CAN_SET_EXPERTS_METHOD)
 
 
 def _base_models(model: nn.Module, emitted: dict) -> list[str]:
