@@ -1,6 +1,6 @@
 """Merged projections in isolation: one GEMM vs the pieces it replaces, and the GLU on merged halves (not a test).
 
-    /work/venv/bin/python bench/gemm.py [--hidden 2048 --intermediate 8192 --q 2048 --kv 512] [--rows 1,8,512]
+    python bench/gemm.py [--hidden 2048 --intermediate 8192 --q 2048 --kv 512] [--rows 1,8,512]
 
 For each dtype and row count: q/k/v as three linears vs one merged linear + split, gate/up as two vs one, and
 `silu(gate) * up` on two separate outputs vs on the two halves of the merged output. Variants run interleaved

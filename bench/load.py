@@ -5,7 +5,7 @@ directory, in the canonical layout and in the fused layout (`convert_checkpoint`
 in a FRESH subprocess, because peak RSS (VmHWM) is per process and only ever grows. Each method runs
 `--repeats` times (page cache warm after the first) and the median is printed.
 
-    /work/venv/bin/python bench/load.py [--hidden 1024] [--layers 8] [--repeats 3]
+    python bench/load.py [--hidden 1024] [--layers 8] [--repeats 3]
 
 RSS counts resident memory-mapped file pages too: safetensors reads through mmap, so a method's peak includes the
 pages of the checkpoint it touched while the file was mapped, on top of the model itself.

@@ -1,6 +1,6 @@
 """Fused MoE vs original, and vs the fused model forced onto the eager experts loop (not a test).
 
-    /work/venv/bin/python bench/moe.py [--layers 4] [--rounds 9]
+    python bench/moe.py [--layers 4] [--rounds 9]
 
 A random Mixtral (hidden 1024, 8 experts x intermediate 2048, top-2) saved once and loaded three ways: the original
 class, the fused class (which keeps Transformers' `grouped_mm` experts kernel), and the fused class with

@@ -1,6 +1,6 @@
 """Where a decode step's time goes, original vs fused, by operator (torch.profiler; not a test).
 
-    /work/venv/bin/python bench/op_profile.py [--shape llama1b] [--dtype fp32] [--batch 1] [--cache 128] [--layers 4]
+    python bench/op_profile.py [--shape llama1b] [--dtype fp32] [--batch 1] [--cache 128] [--layers 4]
 
 Loads both classes from one random-weight checkpoint (bench/run.py's shapes), prefills the same cache, then profiles
 `--steps` decode steps of each, interleaved, and prints self CPU time per operator side by side (ms per step), the

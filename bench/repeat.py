@@ -1,6 +1,6 @@
 """Run bench/run.py's runtime section in N fresh processes and summarise each ratio across them (not a test).
 
-    /work/venv/bin/python bench/repeat.py [--runs 3] [--quick] [--shapes llama1b,qwen05b,tiny] [--json OUT]
+    python bench/repeat.py [--runs 3] [--quick] [--shapes llama1b,qwen05b,tiny] [--json OUT]
 
 Why: within one process, original and fused are interleaved, so machine drift hits both alike -- but each model
 instance keeps the memory it was loaded into for the whole run. On this VM two loads of the SAME fused model differ by

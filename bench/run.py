@@ -1,7 +1,7 @@
 """Fused vs original, side by side: decode, prefill, roofline, load and build figures in one command (not a test).
 
-    /work/venv/bin/python bench/run.py [--quick] [--json OUT] [--markdown OUT] [--threads N] [--no-compile]
-                                       [--only SECTIONS] [--noise-threshold CORES] [--wait-quiet SECONDS]
+    python bench/run.py [--quick] [--json OUT] [--markdown OUT] [--threads N] [--no-compile]
+                        [--only SECTIONS] [--shapes SHAPES] [--noise-threshold CORES] [--wait-quiet SECONDS]
 
 Everything runtime-related runs in this one process, original (A) and fused (B) interleaved A B A B ... after warm-up,
 so drift in machine load hits both alike; figures are medians over repetitions and ratios are fused / original

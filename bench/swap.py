@@ -1,6 +1,6 @@
 """Which half of a fused layer costs in prefill: swap attention or MLP modules between the two models (not a test).
 
-    /work/venv/bin/python bench/swap.py [--shape tiny] [--dtype fp32] [--tokens 512] [--rounds 15]
+    python bench/swap.py [--shape tiny] [--dtype fp32] [--tokens 512] [--rounds 15]
 
 Loads bench/run.py's shape (4 layers) four ways -- original, fused, fused attention with the original MLP, original
 attention with the fused MLP (the swapped modules are the original model's own, same weights) -- and times a
