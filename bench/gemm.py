@@ -5,6 +5,8 @@
 For each dtype and row count: q/k/v as three linears vs one merged linear + split, gate/up as two vs one, and
 `silu(gate) * up` on two separate outputs vs on the two halves of the merged output. Variants run interleaved
 (7 rounds, medians); every merged result is checked bit-identical to its pieces. Defaults: Llama-3.2-1B shapes.
+Last, per dtype: does a one-row linear give the same bits when its weight starts 1-15 elements further into memory?
+(It does not for MKL's fp32 GEMV at offsets that are not a multiple of 16 bytes; see docs/analysis.md.)
 """
 
 from __future__ import annotations
@@ -35,6 +37,22 @@ def variants(x, qkv: list, gate_up: list, sizes: list[int]) -> dict:
         "gate_up": (lambda: [F.linear(x, w) for w in gate_up], lambda: F.linear(x, merged_gate_up).split([i, i], -1)),
         "silu(gate)*up": (lambda: [F.silu(gate) * up], lambda: [F.silu(half_gate) * half_up]),
     }
+
+
+def misaligned_offsets(weight, x) -> list[int]:
+    """Element offsets (1-15) at which a copy of `weight` gives `F.linear(x, weight)` different bits."""
+    import torch
+    import torch.nn.functional as F
+
+    expected = F.linear(x, weight)
+    buffer = torch.empty(weight.numel() + 16, dtype=weight.dtype)
+    differ = []
+    for offset in range(1, 16):
+        moved = buffer[offset : offset + weight.numel()].view_as(weight)
+        moved.copy_(weight)
+        if not torch.equal(F.linear(x, moved), expected):
+            differ.append(offset)
+    return differ
 
 
 def main() -> None:
@@ -70,6 +88,9 @@ def main() -> None:
                     ms_a, ms_b = statistics.median(a) * 1e3, statistics.median(b) * 1e3
                     line.append(f"{name} {ms_a:.3f}/{ms_b:.3f} ms {ms_b / ms_a:.3f}{'' if identical else ' DIFFERS'}")
             print(f"{str(dtype).removeprefix('torch.'):8} rows {rows:4}: " + " | ".join(line), flush=True)
+        with torch.inference_mode():
+            offsets = misaligned_offsets(qkv[0], torch.randn(1, h, generator=generator).to(dtype))
+        print(f"{str(dtype).removeprefix('torch.'):8} one row, q weight moved by 1-15 elements: differs at {offsets}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run as bench  # bench/run.py: it also puts the repository root on sys.path, for `generated`
 
 
 def main() -> None:
@@ -27,13 +29,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    import transformers
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from generated.fused_mixtral import FusedMixtralForCausalLM
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    bench.quiet_transformers()
     config = MixtralConfig(
         hidden_size=1024,
         intermediate_size=2048,
