@@ -238,25 +238,91 @@ def _stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
     return mapping
 
 
-def _parent_names(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, set[str]]:
-    """For each merged name, the attribute names under which its modules sit in the model."""
+def _parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[str]]:
+    """Checkpoint scopes: `<parent>.<projection>` names feed each merged linear, for every config of the model.
+
+    Scoping by parent keeps a same-named projection of an unfused module
+    elsewhere out of a merge. The parents are read off the source, not off the
+    one instantiated model: every attribute name under which any class of the
+    model constructs a class holding the merged linear (`self.mlp =
+    DeepseekV2Moe(config) if ... else DeepseekV2MLP(config)` gives `mlp` even
+    when the default config builds no dense layer). Only classes the model is
+    built from can hold a fused class: they are the ones fusegen emits with
+    their references renamed, and a class it does not emit constructs the
+    original, unfused class. A holder constructed any other way (in a
+    `ModuleList`, passed as a value, from a table) gets no scope at all: its
+    projections are matched by bare name. A scope too wide only costs the
+    pattern a match that Transformers undoes (a renamed key the model lacks
+    falls back to the checkpoint's own name); one too narrow would leave a
+    merged parameter unfilled, which loading then refuses (see
+    `fusegen.runtime.check_loading`).
+    """
+    found = _construction_sites(model, outcomes)
+    return {merged: sorted(names) for merged, names in sorted(found.items()) if "" not in names}
+
+
+def _construction_sites(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, set[str]]:
+    """For each merged name, the attributes its holders are assigned to; "" marks a construction of another form."""
+    from fusegen.propagate import _model_classes
+
+    classes = _model_classes(sys.modules[type(model).__module__], model)
     merged_by_class = {o.class_name: [plan.merged for plan in o.fused] for o in outcomes if o.fused}
+    holders: dict[str, list[str]] = {}
+    for cls in classes:
+        for base in cls.__mro__:
+            holders.setdefault(cls.__name__, []).extend(merged_by_class.get(base.__name__, []))
+    holders = {name: merged for name, merged in holders.items() if merged}
     found: dict[str, set[str]] = {}
-    for path, module in model.named_modules():
-        for merged in merged_by_class.get(type(module).__name__, []):
-            found.setdefault(merged, set()).add(path.rpartition(".")[2])
+    for cls in classes:
+        try:
+            classdef = astutil.parse_class(cls)
+        except Refused:
+            continue
+        for holder, attribute in _holder_references(classdef, set(holders)):
+            for merged in holders[holder]:
+                found.setdefault(merged, set()).add(attribute)
     return found
 
 
-def _parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[str]]:
-    """Checkpoint scopes: `<parent>.<projection>` names feed each merged linear.
+def _holder_references(classdef: ast.ClassDef, holders: set[str]) -> list[tuple[str, str]]:
+    """(holder, attribute) per reference to a holder class in the methods of `classdef`.
 
-    Scoping by parent keeps a same-named projection of an unfused module
-    elsewhere out of a merge. A module held directly in a `ModuleList` has an
-    index for a parent; its projections are matched by bare name instead.
+    `self.<attribute> = Holder(...)`, also as a branch of a conditional
+    expression, gives the attribute; every other reference gives "" (a type
+    check `isinstance(m, Holder)` and `super(Holder, self)` construct nothing
+    and are skipped).
     """
-    found = _parent_names(model, outcomes)
-    return {merged: sorted(names) for merged, names in sorted(found.items()) if not any(n.isdigit() for n in names)}
+    direct: dict[int, str] = {}
+    skipped: set[int] = set()
+    functions = [stmt for stmt in classdef.body if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for node in (n for function in functions for n in ast.walk(function)):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if len(targets) == 1 and astutil.self_attr(targets[0]) and node.value is not None:
+                for call in _direct_calls(node.value):
+                    direct[id(call.func)] = targets[0].attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("isinstance", "issubclass"):
+                skipped.update(id(n) for argument in node.args[1:] for n in ast.walk(argument))
+            elif node.func.id == "super" and node.args:
+                skipped.add(id(node.args[0]))
+    return [
+        (node.id, direct.get(id(node), ""))
+        for function in functions
+        for node in ast.walk(function)
+        if isinstance(node, ast.Name) and node.id in holders and id(node) not in skipped
+    ]
+
+
+def _direct_calls(expression: ast.expr) -> list[ast.Call]:
+    """The calls whose result `expression` is: itself, or the branches of `a if c else b` / `a or b`."""
+    if isinstance(expression, ast.Call):
+        return [expression]
+    if isinstance(expression, ast.IfExp):
+        return _direct_calls(expression.body) + _direct_calls(expression.orelse)
+    if isinstance(expression, ast.BoolOp):
+        return [call for value in expression.values for call in _direct_calls(value)]
+    return []
 
 
 def _vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
