@@ -27,6 +27,7 @@ from fusegen.runtime.tp import fused_plan_from
 
 REGISTER = "register_stacked_checkpoint"
 STREAM = "stream_weights"
+CHECK = "check_loading"
 TEMPLATE_NAMES = {"STACKED_PARAMS_MAPPING", "packed_modules_mapping", "TP_PLAN"}
 """Module-level names the template defines; generated methods may read them."""
 INIT_PARALLEL_PLANS_METHOD = '''
@@ -50,6 +51,13 @@ CAN_SET_EXPERTS_METHOD = '''
 def _can_set_experts_implementation(cls):
     """The experts classes live in the original module, which has the decorator Transformers looks for here."""
     return True
+'''
+STRICT_LOADING_METHOD = '''
+@classmethod
+def _finalize_model_loading(cls, model, load_config, loading_info):
+    """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
+    check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+    return super()._finalize_model_loading(model, load_config, loading_info)
 '''
 LOAD_WEIGHTS_METHOD = '''
 def load_weights(self, weights):
@@ -116,6 +124,8 @@ def build(name: str) -> BuildResult:
         for used_name in sorted(global_names(ast.unparse(item.classdef)) - set(renames.values()) - TEMPLATE_NAMES):
             _use(used, used_name, item)
     used[REGISTER] = used[STREAM] = (None, "")
+    if CHECK in used:
+        used[CHECK] = (None, "")
     sources = [ast.unparse(item.classdef) for item in emitted.values()]
     plans = [plan for outcome in outcomes for plan in outcome.fused]
     text = render(
@@ -128,7 +138,7 @@ def build(name: str) -> BuildResult:
         fused_lines=[f"{fused_name(o.class_name)}: {plan.describe()}" for o in outcomes for plan in o.fused],
         refused_lines=[f"{o.class_name}: {refusal.describe()}" for o in outcomes for refusal in o.refused],
         causal_lm=target.causal_lm.__name__,
-        imports=import_lines(used, {MERGED_LINEAR, REGISTER, STREAM}),
+        imports=import_lines(used, {MERGED_LINEAR, REGISTER, STREAM, CHECK}),
         stacked_params_mapping=repr(_stacked_mapping(plans)),
         packed_modules_mapping=repr({plan.merged: list(plan.projections) for plan in plans}),
         classes=sources,
@@ -145,6 +155,8 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
 
     - the causal LM's `load_weights`, vLLM's streaming loader interface;
     - the base models' `init_parallel_plans`, so tensor parallelism shards the merged linears by partition;
+    - `_finalize_model_loading` on the pretrained base: `from_pretrained` raises `CheckpointError` instead of
+      randomly initialising a merged parameter the checkpoint did not fill (fusegen/runtime/strict.py);
     - `is_custom_code() -> False` on the pretrained base of a Transformers model: otherwise the copies count as
       custom code, which loads and initialises differently (non-persistent buffers filled in `_init_weights`
       are skipped, model-type checkpoint conversions are not applied at the root);
@@ -168,6 +180,7 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
         is_base = cls is not None and not {base.__name__ for base in cls.__bases__} & set(emitted)
         if not (is_base and issubclass(cls, PreTrainedModel)):
             continue
+        add(name, "_finalize_model_loading", STRICT_LOADING_METHOD)
         if target.module.__name__.startswith("transformers."):
             add(name, "is_custom_code", IS_CUSTOM_CODE_METHOD)
         if getattr(cls, "_can_set_experts_implementation", lambda: False)():
