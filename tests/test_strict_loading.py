@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_deepseek_v2_mapping_and_tp_plan_name_every_placement(built):
     assert module.TP_PLAN["layers.*.mlp.gate_up_proj"] == "fusegen_merged_colwise"
     assert module.TP_PLAN["layers.*.mlp.shared_experts.gate_up_proj"] == "fusegen_merged_colwise"
     assert not any(key.endswith((".gate_proj", ".up_proj")) for key in module.TP_PLAN)
-    assert 'parents={"gate_up_proj": ["mlp", "shared_experts"]}' in open(module.__file__).read()
+    assert 'parents={"gate_up_proj": ["mlp", "shared_experts"]}' in Path(module.__file__).read_text()
 
 
 @pytest.mark.parametrize(
@@ -131,8 +132,10 @@ def test_qwen3_moe_dense_layers_load_exactly(tmp_path, variant):
 
 def test_a_stale_mapping_that_misses_the_dense_layer_raises(built, tmp_path):
     """The file the old compiler wrote (parents read off the default config) must refuse, not random-init layer 0."""
-    text = open(built["deepseek_v2"].__file__).read()
-    stale = text.replace('parents={"gate_up_proj": ["mlp", "shared_experts"]}', 'parents={"gate_up_proj": ["shared_experts"]}')
+    text = Path(built["deepseek_v2"].__file__).read_text()
+    stale = text.replace(
+        'parents={"gate_up_proj": ["mlp", "shared_experts"]}', 'parents={"gate_up_proj": ["shared_experts"]}'
+    )
     assert stale != text
     (tmp_path / "fused_deepseek_v2.py").write_text(stale)
     module = import_file(tmp_path / "fused_deepseek_v2.py", "strict_loading_stale_deepseek_v2")
@@ -189,7 +192,9 @@ def test_an_unmappable_q_proj_under_a_new_parent_leaves_nothing_random(checkpoin
 
 
 def test_base_model_from_a_causal_lm_checkpoint_and_tied_heads_still_load(checkpoint, tmp_path):
-    path, original = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2, tie_word_embeddings=True))
+    path, original = checkpoint(
+        LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2, tie_word_embeddings=True)
+    )
     base, info = FusedLlamaModel.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
@@ -230,4 +235,6 @@ def test_ordinary_missing_keys_are_left_to_transformers():
         model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
     check_loading(model, info(missing=["lm_head.weight", "model.norm.weight"], unexpected=["model.extra.weight"]))
     with pytest.raises(CheckpointError, match="qkv_proj"):
-        check_loading(model, info(missing=["model.layers.1.self_attn.qkv_proj.bias", "model.layers.1.self_attn.qkv_proj.weight"]))
+        check_loading(
+            model, info(missing=["model.layers.1.self_attn.qkv_proj.bias", "model.layers.1.self_attn.qkv_proj.weight"])
+        )
