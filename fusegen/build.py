@@ -420,6 +420,18 @@ def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> dict
     A hybrid model may keep, at the same path (`layers.N.self_attn.q_proj`), a
     fused attention in some layers and an unfused one in others; the
     checkpoint cannot say which tensors to merge, so such a fusion is refused.
+
+    With the parents read off the source (`_parents`), the scopes are every
+    attribute a holder is built under, so this sees at least the paths it saw
+    before. What it guards is no longer a silent wrong load: `from_pretrained`
+    falls back to a tensor's own name when the merged name is absent at that
+    path, `load_checkpoint` maps by the live model's merged modules, and what
+    still goes unfilled raises (`fusegen.runtime.check_loading`). It guards the
+    TP plan, whose rules are path patterns (`layers.*.self_attn.q_proj`) that
+    cannot tell a fused layer from an unfused one at the same path. It checks
+    the instantiated model only: an unfused module at such a path in another
+    config still loads exactly, but under tensor parallelism its pieces would
+    match no rule (left replicated); that gap is not closed here.
     """
     parents = _parents(model, outcomes)
     fused_classes = {o.class_name: o for o in outcomes if o.fused}
