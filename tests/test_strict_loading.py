@@ -238,3 +238,28 @@ def test_ordinary_missing_keys_are_left_to_transformers():
         check_loading(
             model, info(missing=["model.layers.1.self_attn.qkv_proj.bias", "model.layers.1.self_attn.qkv_proj.weight"])
         )
+
+
+def test_parents_come_from_every_construction_site_in_the_source():
+    """Both branches of a conditional count; a holder built any other way leaves its merged name unscoped."""
+    import ast
+
+    from fusegen.build import _holder_references
+
+    source = """
+class Layer(nn.Module):
+    def __init__(self, config, i):
+        super(Layer, self).__init__()
+        self.mlp = Moe(config) if i >= config.first_k_dense_replace else Mlp(config)
+        self.extra: nn.Module = Mlp(config) or None
+        if isinstance(self.mlp, Mlp):
+            pass
+
+class Moe(nn.Module):
+    def __init__(self, config):
+        self.shared_experts = Mlp(config)
+        self.experts = nn.ModuleList([Mlp(config) for _ in range(4)])
+"""
+    layer, moe = ast.parse(source).body
+    assert sorted(_holder_references(layer, {"Mlp", "Layer"})) == [("Mlp", "extra"), ("Mlp", "mlp")]
+    assert sorted(_holder_references(moe, {"Mlp"})) == [("Mlp", ""), ("Mlp", "shared_experts")]
