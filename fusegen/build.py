@@ -27,6 +27,7 @@ from fusegen.runtime.tp import fused_plan_from
 
 REGISTER = "register_stacked_checkpoint"
 STREAM = "stream_weights"
+CHECK = "check_loading"
 TEMPLATE_NAMES = {"STACKED_PARAMS_MAPPING", "packed_modules_mapping", "TP_PLAN"}
 """Module-level names the template defines; generated methods may read them."""
 INIT_PARALLEL_PLANS_METHOD = '''
@@ -50,6 +51,13 @@ CAN_SET_EXPERTS_METHOD = '''
 def _can_set_experts_implementation(cls):
     """The experts classes live in the original module, which has the decorator Transformers looks for here."""
     return True
+'''
+STRICT_LOADING_METHOD = '''
+@classmethod
+def _finalize_model_loading(cls, model, load_config, loading_info):
+    """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
+    check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+    return super()._finalize_model_loading(model, load_config, loading_info)
 '''
 LOAD_WEIGHTS_METHOD = '''
 def load_weights(self, weights):
@@ -116,6 +124,8 @@ def build(name: str) -> BuildResult:
         for used_name in sorted(global_names(ast.unparse(item.classdef)) - set(renames.values()) - TEMPLATE_NAMES):
             _use(used, used_name, item)
     used[REGISTER] = used[STREAM] = (None, "")
+    if CHECK in used:
+        used[CHECK] = (None, "")
     sources = [ast.unparse(item.classdef) for item in emitted.values()]
     plans = [plan for outcome in outcomes for plan in outcome.fused]
     text = render(
@@ -128,7 +138,7 @@ def build(name: str) -> BuildResult:
         fused_lines=[f"{fused_name(o.class_name)}: {plan.describe()}" for o in outcomes for plan in o.fused],
         refused_lines=[f"{o.class_name}: {refusal.describe()}" for o in outcomes for refusal in o.refused],
         causal_lm=target.causal_lm.__name__,
-        imports=import_lines(used, {MERGED_LINEAR, REGISTER, STREAM}),
+        imports=import_lines(used, {MERGED_LINEAR, REGISTER, STREAM, CHECK}),
         stacked_params_mapping=repr(_stacked_mapping(plans)),
         packed_modules_mapping=repr({plan.merged: list(plan.projections) for plan in plans}),
         classes=sources,
@@ -145,6 +155,8 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
 
     - the causal LM's `load_weights`, vLLM's streaming loader interface;
     - the base models' `init_parallel_plans`, so tensor parallelism shards the merged linears by partition;
+    - `_finalize_model_loading` on the pretrained base: `from_pretrained` raises `CheckpointError` instead of
+      randomly initialising a merged parameter the checkpoint did not fill (fusegen/runtime/strict.py);
     - `is_custom_code() -> False` on the pretrained base of a Transformers model: otherwise the copies count as
       custom code, which loads and initialises differently (non-persistent buffers filled in `_init_weights`
       are skipped, model-type checkpoint conversions are not applied at the root);
@@ -168,6 +180,7 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
         is_base = cls is not None and not {base.__name__ for base in cls.__bases__} & set(emitted)
         if not (is_base and issubclass(cls, PreTrainedModel)):
             continue
+        add(name, "_finalize_model_loading", STRICT_LOADING_METHOD)
         if target.module.__name__.startswith("transformers."):
             add(name, "is_custom_code", IS_CUSTOM_CODE_METHOD)
         if getattr(cls, "_can_set_experts_implementation", lambda: False)():
@@ -238,25 +251,91 @@ def _stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
     return mapping
 
 
-def _parent_names(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, set[str]]:
-    """For each merged name, the attribute names under which its modules sit in the model."""
+def _parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[str]]:
+    """Checkpoint scopes: `<parent>.<projection>` names feed each merged linear, for every config of the model.
+
+    Scoping by parent keeps a same-named projection of an unfused module
+    elsewhere out of a merge. The parents are read off the source, not off the
+    one instantiated model: every attribute name under which any class of the
+    model constructs a class holding the merged linear (`self.mlp =
+    DeepseekV2Moe(config) if ... else DeepseekV2MLP(config)` gives `mlp` even
+    when the default config builds no dense layer). Only classes the model is
+    built from can hold a fused class: they are the ones fusegen emits with
+    their references renamed, and a class it does not emit constructs the
+    original, unfused class. A holder constructed any other way (in a
+    `ModuleList`, passed as a value, from a table) gets no scope at all: its
+    projections are matched by bare name. A scope too wide only costs the
+    pattern a match that Transformers undoes (a renamed key the model lacks
+    falls back to the checkpoint's own name); one too narrow would leave a
+    merged parameter unfilled, which loading then refuses (see
+    `fusegen.runtime.check_loading`).
+    """
+    found = _construction_sites(model, outcomes)
+    return {merged: sorted(names) for merged, names in sorted(found.items()) if "" not in names}
+
+
+def _construction_sites(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, set[str]]:
+    """For each merged name, the attributes its holders are assigned to; "" marks a construction of another form."""
+    from fusegen.propagate import _model_classes
+
+    classes = _model_classes(sys.modules[type(model).__module__], model)
     merged_by_class = {o.class_name: [plan.merged for plan in o.fused] for o in outcomes if o.fused}
+    holders: dict[str, list[str]] = {}
+    for cls in classes:
+        for base in cls.__mro__:
+            holders.setdefault(cls.__name__, []).extend(merged_by_class.get(base.__name__, []))
+    holders = {name: merged for name, merged in holders.items() if merged}
     found: dict[str, set[str]] = {}
-    for path, module in model.named_modules():
-        for merged in merged_by_class.get(type(module).__name__, []):
-            found.setdefault(merged, set()).add(path.rpartition(".")[2])
+    for cls in classes:
+        try:
+            classdef = astutil.parse_class(cls)
+        except Refused:
+            continue
+        for holder, attribute in _holder_references(classdef, set(holders)):
+            for merged in holders[holder]:
+                found.setdefault(merged, set()).add(attribute)
     return found
 
 
-def _parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[str]]:
-    """Checkpoint scopes: `<parent>.<projection>` names feed each merged linear.
+def _holder_references(classdef: ast.ClassDef, holders: set[str]) -> list[tuple[str, str]]:
+    """(holder, attribute) per reference to a holder class in the methods of `classdef`.
 
-    Scoping by parent keeps a same-named projection of an unfused module
-    elsewhere out of a merge. A module held directly in a `ModuleList` has an
-    index for a parent; its projections are matched by bare name instead.
+    `self.<attribute> = Holder(...)`, also as a branch of a conditional
+    expression, gives the attribute; every other reference gives "" (a type
+    check `isinstance(m, Holder)` and `super(Holder, self)` construct nothing
+    and are skipped).
     """
-    found = _parent_names(model, outcomes)
-    return {merged: sorted(names) for merged, names in sorted(found.items()) if not any(n.isdigit() for n in names)}
+    direct: dict[int, str] = {}
+    skipped: set[int] = set()
+    functions = [stmt for stmt in classdef.body if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for node in (n for function in functions for n in ast.walk(function)):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if len(targets) == 1 and astutil.self_attr(targets[0]) and node.value is not None:
+                for call in _direct_calls(node.value):
+                    direct[id(call.func)] = targets[0].attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("isinstance", "issubclass"):
+                skipped.update(id(n) for argument in node.args[1:] for n in ast.walk(argument))
+            elif node.func.id == "super" and node.args:
+                skipped.add(id(node.args[0]))
+    return [
+        (node.id, direct.get(id(node), ""))
+        for function in functions
+        for node in ast.walk(function)
+        if isinstance(node, ast.Name) and node.id in holders and id(node) not in skipped
+    ]
+
+
+def _direct_calls(expression: ast.expr) -> list[ast.Call]:
+    """The calls whose result `expression` is: itself, or the branches of `a if c else b` / `a or b`."""
+    if isinstance(expression, ast.Call):
+        return [expression]
+    if isinstance(expression, ast.IfExp):
+        return _direct_calls(expression.body) + _direct_calls(expression.orelse)
+    if isinstance(expression, ast.BoolOp):
+        return [call for value in expression.values for call in _direct_calls(value)]
+    return []
 
 
 def _vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
@@ -341,6 +420,18 @@ def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> dict
     A hybrid model may keep, at the same path (`layers.N.self_attn.q_proj`), a
     fused attention in some layers and an unfused one in others; the
     checkpoint cannot say which tensors to merge, so such a fusion is refused.
+
+    With the parents read off the source (`_parents`), the scopes are every
+    attribute a holder is built under, so this sees at least the paths it saw
+    before. What it guards is no longer a silent wrong load: `from_pretrained`
+    falls back to a tensor's own name when the merged name is absent at that
+    path, `load_checkpoint` maps by the live model's merged modules, and what
+    still goes unfilled raises (`fusegen.runtime.check_loading`). It guards the
+    TP plan, whose rules are path patterns (`layers.*.self_attn.q_proj`) that
+    cannot tell a fused layer from an unfused one at the same path. It checks
+    the instantiated model only: an unfused module at such a path in another
+    config still loads exactly, but under tensor parallelism its pieces would
+    match no rule (left replicated); that gap is not closed here.
     """
     parents = _parents(model, outcomes)
     fused_classes = {o.class_name: o for o in outcomes if o.fused}

@@ -1,6 +1,7 @@
 """`fusegen` command line.
 
-Exit codes: 0 ok, 1 drift found (or a verified model out of tolerance), 2 bad usage or input.
+Exit codes: 0 ok, 1 drift found (or a verified model out of tolerance), 2 bad usage or input, 3 internal error
+(defined once, with the error printing, in fusegen/errors.py).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import time
 from pathlib import Path
 
 import fusegen
-from fusegen.errors import FusegenError, InputError
+from fusegen.errors import EXIT_DRIFT, EXIT_ERROR, EXIT_OK, InputError, command
 
-EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
 SWEEP_SUMMARY = "fusegen-sweep.json"
 """What `build --all` leaves in the output directory for `fusegen list` to read."""
 
@@ -85,7 +85,7 @@ def make_parser() -> argparse.ArgumentParser:
     report.set_defaults(handler=_report)
 
     listing = commands.add_parser("list", parents=[common], help="model types and what fusegen made of them")
-    listing.add_argument("--output-dir", type=Path, default=Path("generated"), metavar="DIR")
+    listing.add_argument("--output-dir", type=Path, default=None, metavar="DIR", help="default: generated")
     listing.set_defaults(handler=_list)
 
     from fusegen import convert, verify
@@ -100,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(getattr(args, "verbosity", 0))
     if console.verbosity < 0:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        return args.handler(args, console)
-    except FusegenError as error:
-        print(f"fusegen: error: {error}", file=sys.stderr)
-        return error.exit_code
+    return command(args.handler)(args, console)
 
 
 def _build(args, console: Console) -> int:
@@ -166,6 +162,8 @@ def _build_all(args, console: Console) -> int:
     from fusegen.sweep import sweep
     from fusegen.writer import output_path, write_atomic
 
+    if args.jobs < 1:
+        raise InputError(f"--jobs must be at least 1, got {args.jobs}")
     start = time.perf_counter()
     model_types = causal_lm_types()
     width = len(str(len(model_types)))
@@ -218,9 +216,11 @@ def _list(args, console: Console) -> int:
     from fusegen.resolve import causal_lm_types
     from fusegen.writer import recorded_targets
 
-    built = {target: path for path, target in recorded_targets(args.output_dir).items() if target}
-    summary_path = args.output_dir / SWEEP_SUMMARY
-    swept = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if args.output_dir is not None and not args.output_dir.is_dir():
+        raise InputError(f"{args.output_dir}: no such directory")
+    directory = args.output_dir or Path("generated")
+    built = {target: path for path, target in recorded_targets(directory).items() if target}
+    swept = _read_sweep(directory / SWEEP_SUMMARY)
     for model_type in causal_lm_types():
         if model_type in built:
             outcome = f"fused ({built[model_type]})"
@@ -230,6 +230,19 @@ def _list(args, console: Console) -> int:
             outcome = "unknown (run `fusegen build --all` or `fusegen report`)"
         print(f"{model_type}: {outcome}")
     return EXIT_OK
+
+
+def _read_sweep(path: Path) -> dict:
+    """The outcomes `build --all` recorded, or {} if there are none; a damaged file is named, not a traceback."""
+    if not path.exists():
+        return {}
+    try:
+        swept = json.loads(path.read_text(encoding="utf-8"))
+        if not all(isinstance(entry, dict) and {"status", "detail"} <= entry.keys() for entry in swept.values()):
+            raise ValueError("an entry lacks status or detail")
+    except (UnicodeDecodeError, ValueError, AttributeError) as error:
+        raise InputError(f"{path}: unreadable (remove it or rerun `fusegen build --all`): {error}") from error
+    return swept
 
 
 if __name__ == "__main__":  # pragma: no cover

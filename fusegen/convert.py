@@ -32,14 +32,13 @@ from types import ModuleType
 import torch
 
 import fusegen
-from fusegen.errors import FusegenError, InputError
+from fusegen.errors import EXIT_OK, InputError, command
 from fusegen.runtime.loading import (
     FUSED,
     LAYOUT_KEY,
     STACKED_KEY,
     STEMS,
     Checkpoint,
-    CheckpointError,
     open_checkpoint,
     parse_size,
     plan_load,
@@ -104,10 +103,23 @@ def read_config(checkpoint_dir: str | os.PathLike):
 
     if not (Path(checkpoint_dir) / "config.json").is_file():  # else AutoConfig takes the path for a hub repo id
         raise InputError(f"{checkpoint_dir}: no config.json (not a checkpoint directory?)")
+    _check_model_type(Path(checkpoint_dir) / "config.json")
     try:
         return AutoConfig.from_pretrained(checkpoint_dir)
     except (OSError, ValueError, KeyError) as error:
         raise InputError(f"{checkpoint_dir}: cannot read config.json: {error}") from error
+
+
+def _check_model_type(path: Path) -> None:
+    """A config.json whose `model_type` this Transformers does not know: one line naming it, not AutoConfig's essay."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    try:
+        model_type = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
+        raise InputError(f"{path}: not a JSON object: {error}") from error
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING_NAMES:
+        raise InputError(f"{path}: model_type {model_type!r} is not a model type this Transformers knows")
 
 
 def fused_tensors(model: torch.nn.Module, checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
@@ -212,19 +224,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+@command
 def run(args: argparse.Namespace) -> int:
-    """Exit 0 on success, 2 on bad input (message on stderr as `fusegen: error: ...`)."""
-    try:
-        out = convert_checkpoint(
-            args.checkpoint_dir,
-            args.out_dir,
-            args.model,
-            generated_dir=args.generated_dir,
-            max_shard_size=args.max_shard_size,
-            allow_pickle=args.allow_pickle,
-        )
-    except (FusegenError, CheckpointError, OSError) as error:
-        print(f"fusegen: error: {error}", file=sys.stderr)
-        return 2
+    """Exit 0 on success, 2 on bad input (message on stderr as `fusegen: error: ...`, see fusegen.errors)."""
+    out = convert_checkpoint(
+        args.checkpoint_dir,
+        args.out_dir,
+        args.model,
+        generated_dir=args.generated_dir,
+        max_shard_size=args.max_shard_size,
+        allow_pickle=args.allow_pickle,
+    )
     print(f"wrote {out} (fused layout)")
-    return 0
+    return EXIT_OK

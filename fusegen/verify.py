@@ -14,17 +14,17 @@ if every logit is within `tol`, the two argmaxes can only differ where the origi
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from fusegen.convert import causal_lm_class, import_fused_module, read_config
-from fusegen.errors import FusegenError, InputError
-from fusegen.runtime.loading import FUSED, LAYOUT_KEY, CheckpointError, load_checkpoint
+from fusegen.errors import EXIT_DRIFT, EXIT_OK, InputError, command
+from fusegen.runtime.loading import FUSED, LAYOUT_KEY, load_checkpoint, open_checkpoint
 
-EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
+EXIT_MISMATCH = EXIT_DRIFT
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP32_TOLERANCE = 1e-5
 # bf16 keeps 8 significant bits: neighbouring values are 2**-7 * |x| apart. The fused GEMM accumulates in a different
@@ -98,9 +98,11 @@ def load_pair(checkpoint_dir: Path, generated_dir: Path, dtype: torch.dtype):
     if getattr(config, LAYOUT_KEY, None) == FUSED:
         raise InputError(f"{checkpoint_dir} is a fused-layout checkpoint; verify the canonical one it came from")
     fused_class = causal_lm_class(import_fused_module(generated_dir, config.model_type))
+    with open_checkpoint(checkpoint_dir, allow_pickle=False):
+        pass  # every weight file's header and size checked first: a damaged file is named, not a traceback
     try:
         original = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SafetensorError) as error:
         raise InputError(f"{checkpoint_dir}: Transformers cannot load it: {error}") from error
     fused = fused_class(original.config).to(dtype)
     load_checkpoint(fused, checkpoint_dir)
@@ -127,13 +129,10 @@ def _positive(text: str) -> int:
     return value
 
 
+@command
 def run(args: argparse.Namespace) -> int:
-    """Exit 0 within tolerance, 1 beyond it, 2 on bad input (`fusegen: error: ...` on stderr)."""
-    try:
-        original, fused = load_pair(args.checkpoint_dir, args.generated_dir, DTYPES[args.dtype])
-    except (FusegenError, CheckpointError, OSError) as error:
-        print(f"fusegen: error: {error}", file=sys.stderr)
-        return EXIT_ERROR
+    """Exit 0 within tolerance, 1 beyond it, 2 on bad input (`fusegen: error: ...` on stderr, see fusegen.errors)."""
+    original, fused = load_pair(args.checkpoint_dir, args.generated_dir, DTYPES[args.dtype])
     prompts = random_prompts(args.prompts, args.prompt_length, original.config.vocab_size, args.seed)
     result = compare(original, fused, prompts, max(args.steps, 0))
     allowed = tolerance(args.dtype, result.reference_scale)

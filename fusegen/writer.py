@@ -36,7 +36,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 def drift(path: Path, text: str) -> str | None:
     """A unified diff from what is on disk to `text`, or None if they match."""
-    current = path.read_text(encoding="utf-8") if path.exists() else ""
+    # A file that is not UTF-8 is stale, not a crash: undecodable bytes show as U+FFFD in the diff.
+    current = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
     if current == text:
         return None
     return "".join(
@@ -53,6 +54,6 @@ def recorded_targets(directory: Path) -> dict[Path, str | None]:
     """Each `fused_*.py` in `directory` and the target its header says it was built from."""
     found = {}
     for path in sorted(directory.glob("fused_*.py")):
-        match = TARGET_LINE.search(path.read_text(encoding="utf-8"))
+        match = TARGET_LINE.search(path.read_text(encoding="utf-8", errors="replace"))
         found[path] = match.group(1) if match else None
     return found

@@ -42,7 +42,7 @@ from transformers.models.cohere.modeling_cohere import (
     slice_logits_to_keep,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import MergedColumnLinear, check_loading, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {
     "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
@@ -220,6 +220,12 @@ class FusedCoherePreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": FusedCohereDecoderLayer, "attentions": FusedCohereAttention}
+
+    @classmethod
+    def _finalize_model_loading(cls, model, load_config, loading_info):
+        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
+        check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+        return super()._finalize_model_loading(model, load_config, loading_info)
 
     @classmethod
     def is_custom_code(cls):

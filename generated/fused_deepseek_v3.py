@@ -43,7 +43,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     slice_logits_to_keep,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import MergedColumnLinear, check_loading, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
 packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -173,6 +173,12 @@ class FusedDeepseekV3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, DeepseekV3Experts):
             init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
+
+    @classmethod
+    def _finalize_model_loading(cls, model, load_config, loading_info):
+        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
+        check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+        return super()._finalize_model_loading(model, load_config, loading_info)
 
     @classmethod
     def is_custom_code(cls):

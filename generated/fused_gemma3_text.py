@@ -49,7 +49,7 @@ from transformers.models.gemma3.modeling_gemma3 import (
     use_kernelized_func,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import MergedColumnLinear, check_loading, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {
     "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
@@ -234,6 +234,12 @@ class FusedGemma3PreTrainedModel(PreTrainedModel):
                 curr_inv_freq, _ = rope_init_fn(module.config, layer_type=layer_type)
                 init.copy_(getattr(module, f"{layer_type}_inv_freq"), curr_inv_freq)
                 init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), curr_inv_freq)
+
+    @classmethod
+    def _finalize_model_loading(cls, model, load_config, loading_info):
+        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
+        check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+        return super()._finalize_model_loading(model, load_config, loading_info)
 
     @classmethod
     def is_custom_code(cls):

@@ -48,7 +48,7 @@ from transformers.models.mixtral.modeling_mixtral import (
     use_kernelized_func,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import MergedColumnLinear, check_loading, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
@@ -189,6 +189,12 @@ class FusedMixtralPreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, MixtralTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
+
+    @classmethod
+    def _finalize_model_loading(cls, model, load_config, loading_info):
+        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
+        check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+        return super()._finalize_model_loading(model, load_config, loading_info)
 
     @classmethod
     def is_custom_code(cls):

@@ -42,7 +42,7 @@ from transformers.models.olmo2.modeling_olmo2 import (
     use_kernelized_func,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import MergedColumnLinear, check_loading, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {
     "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
@@ -192,6 +192,12 @@ class FusedOlmo2PreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": FusedOlmo2DecoderLayer, "attentions": FusedOlmo2Attention}
+
+    @classmethod
+    def _finalize_model_loading(cls, model, load_config, loading_info):
+        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
+        check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+        return super()._finalize_model_loading(model, load_config, loading_info)
 
     @classmethod
     def is_custom_code(cls):

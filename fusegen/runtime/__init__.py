@@ -12,6 +12,7 @@ from .checkpoint import (
 )
 from .linear import MergedColumnLinear
 from .loading import CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from .strict import check_loading
 
 # What a generated causal LM's `load_weights` method calls (a distinct name, so the method does not shadow it).
 stream_weights = load_weights
@@ -44,6 +45,7 @@ __all__ = [
     "MergedColumnSplit",
     "PartitionedConcatenate",
     "build_stacked_converters",
+    "check_loading",
     "init_fused_parallel_plans",
     "load_checkpoint",
     "load_weights",

@@ -1,0 +1,102 @@
+"""Strict loading through `from_pretrained`: a merged parameter is filled from the checkpoint, or loading raises.
+
+Transformers treats a parameter the checkpoint did not fill as "missing": it logs a table, initialises the parameter
+randomly and returns the model. For an ordinary parameter that is its documented behaviour (a new head to fine-tune).
+For a merged linear it is a silent wrong model: its pieces are in the checkpoint under other names, and the only way
+they are left out is a stacked mapping that did not reach them (a parent it does not scope, a piece that failed to
+convert). So the generated pretrained base calls `check_loading` from `_finalize_model_loading`, after the tensors are
+copied and before anything missing is initialised, and it raises `CheckpointError` naming the tensor.
+
+What is checked, on the live model (so it holds for whatever config the model was built with):
+
+- every parameter of a merged linear (a module with `output_sizes`) must have been filled: not missing, not
+  mismatched. The message names the merged tensor, its canonical pieces, the pieces the checkpoint holds that mapped
+  nowhere (the `tensor` of the error, when there is one) and the conversion error, if any;
+- a checkpoint tensor renamed to a merged name the model does not have there (the model keeps that module unfused)
+  while the model's own piece stays missing: it maps nowhere and the piece would be random, so it raises too.
+
+Everything else is Transformers' usual behaviour: a tied `lm_head`, non-persistent buffers, `_keys_to_ignore_*`, an
+unexpected head when a base model loads a causal-LM checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from .loading import CheckpointError, _merged_modules, stacked_mapping
+
+
+def check_loading(model: torch.nn.Module, loading_info, where: object = None, stacked: Mapping | None = None) -> None:
+    """Raise `CheckpointError` if `from_pretrained` left a merged parameter unfilled (see the module docstring).
+
+    `loading_info` is Transformers' `LoadStateDictInfo` (missing, unexpected and mismatched keys, conversion errors);
+    `where` names the checkpoint in the message. A false alarm costs a load that would have been a random merged
+    weight anyway; a miss returns a model computing with random rows.
+    """
+    mapping = stacked_mapping(model, stacked)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    missing = set(getattr(loading_info, "missing_keys", ()) or ())
+    missing |= {entry[0] for entry in getattr(loading_info, "mismatched_keys", ()) or ()}
+    unexpected = set(getattr(loading_info, "unexpected_keys", ()) or ())
+    errors = dict(getattr(loading_info, "conversion_errors", {}) or {})
+    for path, module in _merged_modules(model).items():
+        for leaf, tensor in module.named_parameters(recurse=False):
+            name = f"{path}.{leaf}"
+            if name in missing:
+                raise _unfilled(name, _piece_keys(name, mapping), unexpected, errors, prefix, where)
+    for key in sorted(unexpected):
+        _check_renamed(key, mapping, missing, prefix, where)
+
+
+def _piece_keys(name: str, mapping: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """The canonical checkpoint names of a merged tensor's pieces: `a.qkv_proj.weight` -> `a.q_proj.weight`, ..."""
+    module_path, _, leaf = name.rpartition(".")
+    parent, _, attribute = module_path.rpartition(".")
+    return [f"{parent}.{piece}.{leaf}" if parent else f"{piece}.{leaf}" for piece in mapping.get(attribute, ())]
+
+
+def _variants(key: str, prefix: str) -> set[str]:
+    """`key` with and without the base-model prefix: checkpoint and model may differ by one level."""
+    if not prefix:
+        return {key}
+    return {key, key.removeprefix(prefix + "."), f"{prefix}.{key}"}
+
+
+def _found(keys: Iterable[str], among: set[str], prefix: str) -> list[str]:
+    return [key for key in keys if _variants(key, prefix) & among]
+
+
+def _unfilled(
+    name: str, pieces: list[str], unexpected: set[str], errors: dict, prefix: str, where: object
+) -> CheckpointError:
+    """The error for merged parameter `name` left unfilled, naming the pieces that mapped nowhere if any did."""
+    stray = [key for piece in pieces for key in sorted(_variants(piece, prefix) & unexpected)]
+    failed = [message for key, message in errors.items() if _variants(key, prefix) & _variants(name, prefix)]
+    if stray:
+        reason = f"the checkpoint's {', '.join(stray)} mapped nowhere (no registered stacked mapping covers it)"
+    elif failed:
+        reason = f"merging its pieces failed: {failed[0]}"
+    else:
+        reason = "none of its pieces were found in the checkpoint"
+    problem = (
+        f"merged parameter {name} was not filled from the checkpoint (it is made of {', '.join(pieces) or '?'}): "
+        f"{reason}; refusing to leave it randomly initialised"
+    )
+    return CheckpointError(problem, file=None if where is None else str(where), tensor=stray[0] if stray else name)
+
+
+def _check_renamed(key: str, mapping: Mapping[str, tuple[str, ...]], missing: set[str], prefix: str, where) -> None:
+    """An unexpected `a.qkv_proj.weight` came from renaming `a.q_proj.weight`...: fine unless the model misses those."""
+    module_path = key.rpartition(".")[0]
+    if module_path.rpartition(".")[2] not in mapping:
+        return
+    lost = _found(_piece_keys(key, mapping), missing, prefix)
+    if lost:
+        raise CheckpointError(
+            f"the stacked mapping renamed it to {key}, which the model does not have (it keeps that module "
+            f"unfused), so {', '.join(lost)} would be left randomly initialised",
+            file=None if where is None else str(where),
+            tensor=lost[0],
+        )

@@ -1,0 +1,265 @@
+"""Config-independent stacked mappings, and strict loading: a merged parameter is filled exactly, or loading raises.
+
+Each model is built from configs that construct different modules (dense first layers, dense-only layer lists), saved
+as its original class, and loaded into the fused class with `from_pretrained`: the logits must agree, and where the
+checkpoint cannot fill a merged parameter a `CheckpointError` naming the tensor must be raised, never a random init.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+from transformers.utils.loading_report import LoadStateDictInfo
+
+from fusegen.build import build
+from fusegen.runtime import CheckpointError, check_loading, load_checkpoint
+from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
+from generated.fused_qwen3_moe import FusedQwen3MoeForCausalLM
+from tests.conftest import random_model, tiny_config
+
+IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+MOE = {"num_key_value_heads": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+DEEPSEEK_V2 = {
+    **MOE,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "q_lora_rank": None,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_group": 1,
+    "topk_group": 1,
+}
+QWEN2_MOE = {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 48}
+
+
+def import_file(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """deepseek_v2 and qwen2_moe, whose default configs build no dense layer, built fresh into a temporary directory."""
+    out = tmp_path_factory.mktemp("built")
+    modules = {}
+    for model_type in ("deepseek_v2", "qwen2_moe"):
+        path = out / f"fused_{model_type}.py"
+        path.write_text(build(model_type).text)
+        modules[model_type] = import_file(path, f"strict_loading_fused_{model_type}")
+    return modules
+
+
+def save_original(tmp_path, original_class, config):
+    model = random_model(original_class, config)
+    model.save_pretrained(tmp_path / "original")
+    return tmp_path / "original", model
+
+
+def assert_loads_exactly(fused_class, path, original):
+    fused, info = fused_class.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        assert (original(IDS).logits - fused.eval()(IDS).logits).abs().max().item() <= 1e-5
+    return fused
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Config variants: every placement of a merged linear loads, whatever config the build instantiated
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dense_layers", [0, 1, 2])
+def test_deepseek_v2_dense_first_layers_load_exactly(built, tmp_path, dense_layers):
+    config = tiny_config(DeepseekV2Config, **DEEPSEEK_V2, first_k_dense_replace=dense_layers)
+    path, original = save_original(tmp_path, DeepseekV2ForCausalLM, config)
+    fused = assert_loads_exactly(built["deepseek_v2"].FusedDeepseekV2ForCausalLM, path, original)
+    if dense_layers:
+        merged = fused.model.layers[0].mlp.gate_up_proj.weight
+        mlp = original.model.layers[0].mlp
+        assert torch.equal(merged, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+
+
+def test_deepseek_v2_mapping_and_tp_plan_name_every_placement(built):
+    module = built["deepseek_v2"]
+    assert module.TP_PLAN["layers.*.mlp.gate_up_proj"] == "fusegen_merged_colwise"
+    assert module.TP_PLAN["layers.*.mlp.shared_experts.gate_up_proj"] == "fusegen_merged_colwise"
+    assert not any(key.endswith((".gate_proj", ".up_proj")) for key in module.TP_PLAN)
+    assert 'parents={"gate_up_proj": ["mlp", "shared_experts"]}' in Path(module.__file__).read_text()
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}, {"mlp_only_layers": [0, 1]}],
+    ids=["all-sparse", "mlp-only-0", "sparse-step-2", "all-dense"],
+)
+def test_qwen2_moe_dense_layers_load_exactly(built, tmp_path, variant):
+    config = tiny_config(Qwen2MoeConfig, **QWEN2_MOE, **variant)
+    path, original = save_original(tmp_path, Qwen2MoeForCausalLM, config)
+    assert_loads_exactly(built["qwen2_moe"].FusedQwen2MoeForCausalLM, path, original)
+
+
+@pytest.mark.parametrize("variant", [{}, {"mlp_only_layers": [0]}], ids=["all-sparse", "mlp-only-0"])
+def test_qwen3_moe_dense_layers_load_exactly(tmp_path, variant):
+    config = tiny_config(Qwen3MoeConfig, **MOE, num_experts=4, head_dim=16, **variant)
+    path, original = save_original(tmp_path, Qwen3MoeForCausalLM, config)
+    assert_loads_exactly(FusedQwen3MoeForCausalLM, path, original)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Strictness: what the mapping cannot fill raises, naming the tensor
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_stale_mapping_that_misses_the_dense_layer_raises(built, tmp_path):
+    """The file the old compiler wrote (parents read off the default config) must refuse, not random-init layer 0."""
+    text = Path(built["deepseek_v2"].__file__).read_text()
+    stale = text.replace(
+        'parents={"gate_up_proj": ["mlp", "shared_experts"]}', 'parents={"gate_up_proj": ["shared_experts"]}'
+    )
+    assert stale != text
+    (tmp_path / "fused_deepseek_v2.py").write_text(stale)
+    module = import_file(tmp_path / "fused_deepseek_v2.py", "strict_loading_stale_deepseek_v2")
+    config = tiny_config(DeepseekV2Config, **DEEPSEEK_V2, first_k_dense_replace=1)
+    path, _ = save_original(tmp_path, DeepseekV2ForCausalLM, config)
+    with pytest.raises(CheckpointError) as error:
+        module.FusedDeepseekV2ForCausalLM.from_pretrained(path)
+    assert error.value.tensor == "model.layers.0.mlp.gate_proj.weight"
+    assert "model.layers.0.mlp.gate_up_proj.weight" in str(error.value) and "mapped nowhere" in str(error.value)
+
+
+def without(path, name):
+    state = load_file(path / "model.safetensors")
+    del state[name]
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_k_proj_raises_through_from_pretrained_and_load_checkpoint(checkpoint):
+    path, original = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    without(path, "model.layers.1.self_attn.k_proj.weight")
+    with pytest.raises(CheckpointError) as error:
+        FusedLlamaForCausalLM.from_pretrained(path)
+    message = str(error.value)
+    assert error.value.tensor == "model.layers.1.self_attn.qkv_proj.weight"
+    assert "model.layers.1.self_attn.k_proj.weight" in message and "merging its pieces failed" in message
+    with pytest.raises(CheckpointError, match="model.layers.1.self_attn.k_proj.weight"):
+        load_checkpoint(FusedLlamaForCausalLM(original.config), path)
+
+
+def test_missing_all_pieces_raises(checkpoint):
+    path, _ = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    for piece in ("gate_proj", "up_proj"):
+        without(path, f"model.layers.0.mlp.{piece}.weight")
+    with pytest.raises(CheckpointError, match="none of its pieces") as error:
+        FusedLlamaForCausalLM.from_pretrained(path)
+    assert error.value.tensor == "model.layers.0.mlp.gate_up_proj.weight"
+
+
+def test_an_unmappable_q_proj_under_a_new_parent_leaves_nothing_random(checkpoint):
+    """It maps nowhere, but no merged parameter misses it: from_pretrained loads exactly and reports it as unexpected;
+    load_checkpoint (strict) refuses it."""
+    path, original = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    state = load_file(path / "model.safetensors")
+    extra = "model.layers.0.cross_attn.q_proj.weight"
+    state[extra] = torch.zeros(64, 64)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    fused, info = FusedLlamaForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert info["unexpected_keys"] == {extra} and not info["missing_keys"]
+    with torch.no_grad():
+        assert torch.equal(fused.eval()(IDS).logits, original(IDS).logits)
+    with pytest.raises(CheckpointError, match="unexpected") as error:
+        load_checkpoint(FusedLlamaForCausalLM(original.config), path)
+    assert error.value.tensor == extra
+
+
+def test_base_model_from_a_causal_lm_checkpoint_and_tied_heads_still_load(checkpoint, tmp_path):
+    path, original = checkpoint(
+        LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2, tie_word_embeddings=True)
+    )
+    base, info = FusedLlamaModel.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        expected = original.model(IDS).last_hidden_state
+        assert (base.eval()(IDS).last_hidden_state - expected).abs().max().item() <= 1e-5
+    fused, info = FusedLlamaForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info
+    assert fused.lm_head.weight is fused.model.embed_tokens.weight
+
+
+def info(missing=(), unexpected=(), errors=None):
+    return LoadStateDictInfo(
+        missing_keys=set(missing),
+        unexpected_keys=set(unexpected),
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors=errors or {},
+        skipped_pp_keys=set(),
+    )
+
+
+def test_a_piece_renamed_to_a_merged_name_the_model_lacks_raises_when_its_own_piece_is_missing():
+    """An unfused module at a scoped path: its q_proj renamed to a qkv_proj it does not have, its own q_proj missing."""
+    with torch.device("meta"):
+        model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+    renamed = "model.layers.0.cross_attn.qkv_proj.weight"
+    check_loading(model, info(unexpected=[renamed]))  # nothing of the model is missing: fine
+    model.model.layers[0].cross_attn = torch.nn.Module()
+    model.model.layers[0].cross_attn.q_proj = torch.nn.Linear(4, 4, device="meta")
+    lost = "model.layers.0.cross_attn.q_proj.weight"
+    with pytest.raises(CheckpointError, match="does not have") as error:
+        check_loading(model, info(missing=[lost], unexpected=[renamed]), where="ckpt")
+    assert error.value.tensor == lost and error.value.file == "ckpt"
+
+
+def test_ordinary_missing_keys_are_left_to_transformers():
+    with torch.device("meta"):
+        model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+    check_loading(model, info(missing=["lm_head.weight", "model.norm.weight"], unexpected=["model.extra.weight"]))
+    with pytest.raises(CheckpointError, match="qkv_proj"):
+        check_loading(
+            model, info(missing=["model.layers.1.self_attn.qkv_proj.bias", "model.layers.1.self_attn.qkv_proj.weight"])
+        )
+
+
+def test_parents_come_from_every_construction_site_in_the_source():
+    """Both branches of a conditional count; a holder built any other way leaves its merged name unscoped."""
+    import ast
+
+    from fusegen.build import _holder_references
+
+    source = """
+class Layer(nn.Module):
+    def __init__(self, config, i):
+        super(Layer, self).__init__()
+        self.mlp = Moe(config) if i >= config.first_k_dense_replace else Mlp(config)
+        self.extra: nn.Module = Mlp(config) or None
+        if isinstance(self.mlp, Mlp):
+            pass
+
+class Moe(nn.Module):
+    def __init__(self, config):
+        self.shared_experts = Mlp(config)
+        self.experts = nn.ModuleList([Mlp(config) for _ in range(4)])
+"""
+    layer, moe = ast.parse(source).body
+    assert sorted(_holder_references(layer, {"Mlp", "Layer"})) == [("Mlp", "extra"), ("Mlp", "mlp")]
+    assert sorted(_holder_references(moe, {"Mlp"})) == [("Mlp", ""), ("Mlp", "shared_experts")]
