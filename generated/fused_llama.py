@@ -196,6 +196,15 @@ class FusedLlamaPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"hidden_states": FusedLlamaDecoderLayer, "attentions": FusedLlamaAttention}
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Transformers' from_pretrained, for the canonical layout and `fusegen convert`'s fused one (validated first)."""
+        from fusegen.runtime.pretrained import fused_from_pretrained
+
+        return fused_from_pretrained(
+            cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
+        )
+
+    @classmethod
     def is_custom_code(cls):
         """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
         return False
