@@ -108,6 +108,27 @@ def _forget_layout(config) -> None:
             delattr(config, key)
 
 
+def _save_canonical(model) -> None:
+    """Make `save_pretrained` split the merged tensors again after a fused-layout load.
+
+    Transformers' save reverses only the conversions that were USED at load (`model._weight_conversions`); loading
+    the fused layout uses none, so the model would save merged tensors in `model.safetensors`, which the original
+    class then loads with random q/k/v. Adding the registered merge converters back makes the save canonical.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    from .checkpoint import MergedColumnConcatenate
+
+    merges = [
+        conversion
+        for conversion in get_model_conversion_mapping(model, add_legacy=False)
+        if isinstance(conversion, WeightConverter)
+        and any(isinstance(op, MergedColumnConcatenate) for op in conversion.operations)
+    ]
+    model._weight_conversions = [*(getattr(model, "_weight_conversions", None) or []), *merges]
+
+
 def fused_from_pretrained(cls: type, load: Callable, path, *model_args, **kwargs):
     """Transformers' `from_pretrained` (`load`), after validating a local checkpoint and pointing it at a fused one.
 
@@ -129,4 +150,5 @@ def fused_from_pretrained(cls: type, load: Callable, path, *model_args, **kwargs
     if layout == FUSED:
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         _forget_layout(model.config)
+        _save_canonical(model)
     return loaded
