@@ -2,6 +2,12 @@
 
     python bench/run.py [--quick] [--json OUT] [--markdown OUT] [--threads N] [--no-compile]
                         [--only SECTIONS] [--shapes SHAPES] [--noise-threshold CORES] [--wait-quiet SECONDS]
+    python bench/run.py --device cuda [--modes eager,static,compile] [--shapes llama1b,qwen05b] [--quick] [--json OUT]
+
+`--device DEV` runs only the on-device section (`bench_device`): the same original/fused pairs in bf16, decode and
+prefill timed on the device's own clock (CUDA events; host time after a synchronise elsewhere), in eager mode with
+the dynamic cache, eager with a StaticCache, and torch.compile with a StaticCache. Without such a device it prints
+why and exits 0; `--device cpu` runs the very same code (tests/test_bench.py keeps it working).
 
 Everything runtime-related runs in this one process, original (A) and fused (B) interleaved A B A B ... after warm-up,
 so drift in machine load hits both alike; figures are medians over repetitions and ratios are fused / original
@@ -182,8 +188,9 @@ def make_config(shape: str, layers: int):
     return config_cls(num_hidden_layers=layers, **params)
 
 
-def write_checkpoints(shape: str, layers: int, directory: Path) -> dict[str, Path]:
-    """Build the ORIGINAL class with random weights and save it once per dtype; returns dtype name -> directory."""
+def write_checkpoints(shape: str, layers: int, directory: Path, dtypes=None) -> dict[str, Path]:
+    """Build the ORIGINAL class with random weights and save it once per dtype (default: the shape's); returns dtype
+    name -> directory."""
     import torch
 
     config = make_config(shape, layers)
@@ -207,7 +214,7 @@ def write_checkpoints(shape: str, layers: int, directory: Path) -> dict[str, Pat
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     paths = {}
-    for dtype in SHAPE_DTYPES.get(shape, DTYPES):
+    for dtype in dtypes or SHAPE_DTYPES.get(shape, DTYPES):
         path = directory / f"{shape}-{dtype}"
         model.to(torch_dtype(dtype)).save_pretrained(path)
         paths[dtype] = path
@@ -812,6 +819,179 @@ def bench_build(reps: int, results: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# --device: the same fused-vs-original pairs timed on an accelerator (CUDA events), bf16, eager / static / compile
+
+DEVICE_MODES = ("eager", "static", "compile")
+
+
+def device_unavailable(device) -> str | None:
+    """Why `device` cannot be used here, or None. CPU always can; another type needs its torch backend to say so."""
+    import torch
+
+    if device.type == "cpu":
+        return None
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        return f"no {device.type} device here (torch.{device.type}.is_available() is not True)"
+    return None
+
+
+def device_clock(device):
+    """`clock(fn) -> seconds` that `fn`'s work took ON `device`.
+
+    CUDA runs kernels asynchronously: host time around a call measures how fast work is queued, not done. So on a GPU
+    the call is bracketed by CUDA events and timed on the device's own clock after synchronising on the end event.
+    Elsewhere (CPU, the fallback for other backends) it is host time, after synchronising the backend if it has a
+    `synchronize` (e.g. MPS), so the same code path runs everywhere.
+    """
+    import torch
+
+    if device.type == "cuda":
+
+        def clock(fn) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3  # ms -> s
+
+        return clock
+    backend = getattr(torch, device.type, None)
+    synchronize = getattr(backend, "synchronize", None) if device.type != "cpu" else None
+
+    def clock(fn) -> float:
+        if synchronize:
+            synchronize()
+        start = time.perf_counter()
+        fn()
+        if synchronize:
+            synchronize()
+        return time.perf_counter() - start
+
+    return clock
+
+
+def _mode_cache(mode: str, model, batch: int, max_len: int):
+    """A fresh KV cache for `mode`: None (the model makes a DynamicCache) for eager, a StaticCache otherwise."""
+    if mode == "eager":
+        return None
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def device_decode_runner(clock, model, cache, tokens, steps: int):
+    """Mean device seconds of `steps` single-token forwards on `cache`, cropped back after each (untimed), so every
+    step sees the same cache length; works for dynamic and static caches alike (both implement `crop`)."""
+    import torch
+
+    kwargs = {CACHE_KWARG: cache, "use_cache": True}
+
+    def run() -> float:
+        total = 0.0
+        with torch.inference_mode():
+            for _ in range(steps):
+                total += clock(lambda: model(tokens, **kwargs))
+                cache.crop(-1)
+        return total / steps
+
+    return in_process(run)
+
+
+def device_prefill_runner(clock, model, mode: str, ids):
+    """Device seconds of one prompt forward into a fresh cache (made untimed), last logits only, as generate() does."""
+    import torch
+
+    def run() -> float:
+        cache = _mode_cache(mode, model, ids.shape[0], ids.shape[1] + 1)
+        kwargs = {} if cache is None else {CACHE_KWARG: cache}
+        with torch.inference_mode():
+            return clock(lambda: model(ids, use_cache=True, logits_to_keep=1, **kwargs))
+
+    return in_process(run)
+
+
+def bench_device(shape: str, path: Path, device, modes, cfg: dict, compile_backend: str, results: dict) -> None:
+    """Decode (batch 1 and 8, first cache length) and prefill, original vs fused, in each mode, on `device`."""
+    import torch
+
+    clock = device_clock(device)
+    original, fused = (model.to(device) for model in load_pair(path, "bf16"))
+    vocab, cache_len = original.config.vocab_size, cfg["cache_lens"][0]
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, vocab, (1, cache_len), generator=generator).to(device)
+    prefill_ids = torch.randint(0, vocab, (1, cfg["prefill_len"]), generator=generator).to(device)
+    for mode in modes:
+        models = [original, fused]
+        row: dict = {}
+        if mode == "compile":
+            # Both classes' forwards share Transformers' decorator code object, so dynamo counts their graphs (two
+            # classes x batches x prefill/decode) against ONE recompile limit (8); past it, it silently runs eager.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            models = [torch.compile(m, dynamic=False, backend=compile_backend) for m in models]
+        for batch in cfg["decode_batches"]:
+            ids = prompt.expand(batch, -1).contiguous()
+            tokens = torch.randint(0, vocab, (batch, 1), generator=generator).to(device)
+            caches, seconds, diffs = [], [], []
+            for model in models:
+                cache = _mode_cache(mode, model, batch, cache_len + 2)
+                start = time.perf_counter()
+                with torch.inference_mode():  # prefill, then one step (compiles both graphs in compile mode)
+                    out = model(ids, use_cache=True, logits_to_keep=1, **({} if cache is None else {CACHE_KWARG: cache}))
+                    cache = out.cache
+                    diffs.append(model(tokens, **{CACHE_KWARG: cache}, use_cache=True).logits.float())
+                    cache.crop(-1)
+                seconds.append(time.perf_counter() - start)
+                caches.append(cache)
+            runners = [device_decode_runner(clock, m, c, tokens, cfg["decode_steps"]) for m, c in zip(models, caches)]
+            (a, b), info = SAMPLER.interleaved(runners, cfg["decode_warmup"], cfg["decode_reps"])
+            row[f"decode_b{batch}_kv{cache_len}"] = {
+                **summarise(a, b, info),
+                "first_call_s": seconds,  # prefill + first step; includes compilation in compile mode
+                "max_abs_logit_diff": (diffs[0] - diffs[1]).abs().max().item(),
+            }
+            del caches
+        runners = [device_prefill_runner(clock, m, mode, prefill_ids) for m in models]
+        (a, b), info = SAMPLER.interleaved(runners, cfg["prefill_warmup"], cfg["prefill_reps"])
+        row[f"prefill{cfg['prefill_len']}"] = summarise(a, b, info)
+        results["device"][f"{shape}_bf16_{mode}"] = row
+        for key, r in row.items():
+            log(
+                f"  {device.type} {shape} bf16 {mode:7} {key:18} orig {r['orig_ms']:8.2f} ms  fused {r['fused_ms']:8.2f} ms"
+                f"  ratio {r['ratio']:.3f} (paired IQR {r['paired_iqr'][0]:.3f}-{r['paired_iqr'][1]:.3f}, "
+                f"{noise_note(r)})"
+            )
+    del original, fused
+    gc.collect()
+
+
+def run_device_section(args, cfg: dict) -> dict | None:
+    """`--device DEV`: only the on-device section. Returns the results, or None (after saying why) without a device."""
+    import torch
+
+    device = torch.device(args.device)
+    reason = device_unavailable(device)
+    if reason:
+        log(f"[--device {args.device}: skipped: {reason}; nothing measured]")
+        return None
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - set(DEVICE_MODES)
+    if unknown:
+        raise SystemExit(f"unknown --modes {sorted(unknown)}; choose from {', '.join(DEVICE_MODES)}")
+    results: dict = {"machine": {"device": str(device), "torch": torch.__version__}, "device": {}}
+    if device.type == "cuda":
+        results["machine"]["gpu"] = torch.cuda.get_device_name(device)
+    log(f"fusegen bench on {device} ({results['machine'].get('gpu', device.type)}), bf16, modes {', '.join(modes)}")
+    with tempfile.TemporaryDirectory(prefix="fusegen-bench-device-") as tmp:
+        for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+            path = write_checkpoints(shape, cfg["layers"], Path(tmp), dtypes=("bf16",))["bf16"]
+            log(f"\n[{shape} bf16 on {device}]")
+            bench_device(shape, path, device, modes, cfg, args.compile_backend, results)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # report
 
 
@@ -1044,6 +1224,16 @@ def main() -> None:
         metavar="SECONDS",
         help="before each measurement, wait up to SECONDS for a quiet 2 s window (shared machines; default 0)",
     )
+    parser.add_argument(
+        "--device",
+        metavar="DEV",
+        help="only time decode and prefill on DEV (cuda, cuda:1, cpu, ...) with the device's clock, bf16, in "
+        "--modes; skips with a message when DEV is absent",
+    )
+    parser.add_argument("--modes", default=",".join(DEVICE_MODES), help="with --device: eager,static,compile")
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="with --device: torch.compile backend (default inductor)"
+    )
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -1067,6 +1257,13 @@ def main() -> None:
     cfg = QUICK if args.quick else FULL
     SAMPLER = Sampler(args.noise_threshold, cfg["max_rounds_factor"], args.wait_quiet)
     torch.set_num_threads(args.threads)
+    if args.device:
+        device_results = run_device_section(args, cfg)
+        LAUNCHER.close()
+        if device_results is not None and args.json:
+            args.json.write_text(json.dumps(device_results, indent=1, default=str) + "\n")
+            log(f"wrote {args.json}")
+        return
     machine = {
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),

@@ -59,6 +59,14 @@ def _finalize_model_loading(cls, model, load_config, loading_info):
     check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
     return super()._finalize_model_loading(model, load_config, loading_info)
 '''
+FROM_PRETRAINED_METHOD = '''
+@classmethod
+def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+    """Transformers' from_pretrained, for the canonical layout and `fusegen convert`'s fused one (validated first)."""
+    from fusegen.runtime.pretrained import fused_from_pretrained
+
+    return fused_from_pretrained(cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs)
+'''
 LOAD_WEIGHTS_METHOD = '''
 def load_weights(self, weights):
     """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model."""
@@ -157,6 +165,8 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
     - the base models' `init_parallel_plans`, so tensor parallelism shards the merged linears by partition;
     - `_finalize_model_loading` on the pretrained base: `from_pretrained` raises `CheckpointError` instead of
       randomly initialising a merged parameter the checkpoint did not fill (fusegen/runtime/strict.py);
+    - `from_pretrained` on the pretrained base: validates a local checkpoint before Transformers maps it, and loads
+      `fusegen convert`'s fused layout zero-copy (fusegen/runtime/pretrained.py);
     - `is_custom_code() -> False` on the pretrained base of a Transformers model: otherwise the copies count as
       custom code, which loads and initialises differently (non-persistent buffers filled in `_init_weights`
       are skipped, model-type checkpoint conversions are not applied at the root);
@@ -181,6 +191,7 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
         if not (is_base and issubclass(cls, PreTrainedModel)):
             continue
         add(name, "_finalize_model_loading", STRICT_LOADING_METHOD)
+        add(name, "from_pretrained", FROM_PRETRAINED_METHOD)
         if target.module.__name__.startswith("transformers."):
             add(name, "is_custom_code", IS_CUSTOM_CODE_METHOD)
         if getattr(cls, "_can_set_experts_implementation", lambda: False)():

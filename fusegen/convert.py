@@ -1,19 +1,32 @@
 """`fusegen convert`: rewrite a canonical checkpoint into the fused layout, so a server can mmap merged tensors as-is.
 
-In the fused layout each merged linear is stored whole (`model.layers.0.self_attn.qkv_proj.weight`), every header
-carries `{"format": "pt", "fusegen_layout": "fused", "fusegen_stacked": <row order>}`, and `load_checkpoint` detects it
-from that metadata.
+In the fused layout each merged linear is stored whole (`model.layers.0.self_attn.qkv_proj.weight`), and the
+checkpoint says what it is in three places:
 
-Why the weights are named `fused*.safetensors` rather than `model*.safetensors`: handed a directory with fused
-tensors in `model.safetensors`, `LlamaForCausalLM.from_pretrained` does not fail. It prints a load report (qkv_proj
-"UNEXPECTED", q/k/v "MISSING"), randomly initialises the missing weights and returns a model that generates garbage.
-Neither config field it could check helps: a concrete class ignores `architectures`, and a foreign `model_type` only
-logs a warning (it would also break `AutoConfig`, which serving stacks need to read the config). What it cannot get
-past is having no weight file it recognises, so the fused files use a stem Transformers never looks for (also not via
-`variant=`, which only inserts into `model.<variant>.safetensors`), and it raises
-`OSError: Error no file named model.safetensors ... found in directory ...`. For humans and other tools config.json
-also says what this is: `architectures` names the fused class (vLLM refuses unknown architectures) and
-`fusegen_layout: "fused"` is set; `model_type` is kept so the config still loads with `AutoConfig`.
+- every safetensors header: `{"format": "pt", "fusegen_layout": "fused", "fusegen_stacked": <row order>,
+  "fusegen_version", "fusegen_class", "fusegen_source": <source fingerprint>}` (what `load_checkpoint` reads);
+- config.json: `architectures: [<fused class>]`, `fusegen_layout: "fused"`, and a `fusegen` entry with the layout,
+  the weights file, the fused class, the row order and the source checkpoint's fingerprint (SHA-256 and size of every
+  source weight file, the same digest the hub lists for a file, plus the SHA-256 of its config.json);
+- config.json's `transformers_weights`: a refusal message, see below.
+
+The two properties the layout must have, and how the file names and config give both:
+
+- **The original class refuses it, loudly, naming fusegen.** Handed fused tensors in `model.safetensors`,
+  `LlamaForCausalLM.from_pretrained` does not fail: it prints a load report (qkv_proj "UNEXPECTED", q/k/v "MISSING"),
+  randomly initialises the missing weights and returns a model that generates garbage. The only config field a
+  concrete class consults before touching weights is `transformers_weights` (the weights file to read); it must end
+  in `.safetensors` or `.safetensors.index.json`, else Transformers raises `ValueError: The transformers file in the
+  config seems to be incorrect: ... : <the value>`. So the value is a sentence naming fusegen and the class to use,
+  and `LlamaForCausalLM` / `AutoModelForCausalLM.from_pretrained` raise that before building anything. The weights
+  themselves are named `fused*.safetensors`, a stem Transformers never looks for (not even via `variant=`), so a
+  config stripped of that entry still fails (`OSError: Error no file named model.safetensors ...`) instead of
+  loading garbage. `model_type` is kept, so `AutoConfig` still reads the config (serving stacks need it), and vLLM
+  refuses the unknown `architectures` entry.
+- **The fused class loads it through `from_pretrained`, zero-copy.** Its `from_pretrained`
+  (fusegen/runtime/pretrained.py) validates the files, checks the row order, and passes
+  `transformers_weights=<the fused file>`, so Transformers memory-maps that file and hands every tensor, merged ones
+  included, on as a view of the mapping, as it does for the original class and its own layout.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ from fusegen.runtime.loading import (
     stacked_mapping,
     write_safetensors,
 )
+from fusegen.runtime.pretrained import FUSEGEN_KEY, WEIGHTS_KEY
 
 # Small non-weight files a server needs next to the weights; copied verbatim.
 COPIED_FILES = (
@@ -123,24 +137,70 @@ def _check_model_type(path: Path) -> None:
 
 
 def fused_tensors(model: torch.nn.Module, checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield each model tensor under its fused name, concatenating merged pieces in row order, one at a time.
+    """Yield each model tensor under its fused name, merged pieces in row order, one tensor at a time.
 
     `model` may live on the meta device: only its structure (names, shapes, `output_sizes`) is used, via the same plan
-    `load_checkpoint` makes, so conversion validates exactly what loading would.
+    `load_checkpoint` makes, so conversion validates exactly what loading would. Each tensor is allocated once, in the
+    checkpoint's dtype (merged pieces of different dtypes are promoted as `torch.cat` would), and every piece is read
+    from its file straight into its rows: no concatenated temporary, no memory-mapped page touched.
     """
     pieces: dict[str, list] = {}
     for copy in plan_load(model, checkpoint, strict=True).copies:
         pieces.setdefault(copy.destination.param, []).append(copy)
     for param, copies in pieces.items():
         copies.sort(key=lambda c: c.destination.start)
-        tensors = [checkpoint.tensor(copy.name) for copy in copies]
-        yield param, tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        first = copies[0].source
+        if len(copies) == 1:
+            tensor = torch.empty(first.shape, dtype=first.dtype)
+            checkpoint.read_into(copies[0].name, tensor)
+        else:
+            dtype = first.dtype
+            for copy in copies[1:]:
+                dtype = torch.promote_types(dtype, copy.source.dtype)
+            tensor = torch.empty((sum(c.source.shape[0] for c in copies), *first.shape[1:]), dtype=dtype)
+            for copy in copies:
+                checkpoint.read_into(copy.name, tensor.narrow(0, copy.destination.start, copy.source.shape[0]))
+        yield param, tensor
 
 
-def _fused_config(source_dir: Path, class_name: str) -> dict:
-    """The source config.json, marked as fused (see the module docstring for why these two keys)."""
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def source_fingerprint(source: Path, checkpoint: Checkpoint) -> dict:
+    """What the fused checkpoint was made from: SHA-256 and size of each source weight file (the digest the hub lists
+    for an LFS file, so a conversion can be traced to a hub revision) and of its index and config.json."""
+    files = [*checkpoint.files, *([checkpoint.index] if checkpoint.index else [])]
+    return {
+        "files": {path.name: {"sha256": _sha256(path), "bytes": path.stat().st_size} for path in files},
+        "config_sha256": _sha256(source / "config.json"),
+    }
+
+
+def refusal_message(class_name: str, weights: str) -> str:
+    """config.json's `transformers_weights` in the fused layout: what the original class's from_pretrained raises
+    with (it is not a `.safetensors` name, see the module docstring); the fused class replaces it on load."""
+    return (
+        f"fusegen fused layout ({weights} holds merged tensors such as qkv_proj): load it with the "
+        f"fusegen-generated {class_name}, or load the canonical checkpoint it was converted from with "
+        f"{class_name.removeprefix('Fused')}"
+    )
+
+
+def _fused_config(source_dir: Path, class_name: str, description: dict) -> dict:
+    """The source config.json, marked as fused (see the module docstring for why each key)."""
     config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
-    return {**config, "architectures": [class_name], LAYOUT_KEY: FUSED}
+    return {
+        **config,
+        "architectures": [class_name],
+        LAYOUT_KEY: FUSED,
+        FUSEGEN_KEY: description,
+        WEIGHTS_KEY: refusal_message(class_name, description["weights"]),
+    }
 
 
 def _empty_or_absent(out_dir: Path) -> None:
@@ -162,10 +222,21 @@ def _write_fused(source: Path, staging: Path, model_class: type, config, max_sha
         "fusegen_class": model_class.__name__,
     }
     with open_checkpoint(source, allow_pickle=allow_pickle) as checkpoint:
-        write_safetensors(
+        fingerprint = source_fingerprint(source, checkpoint)
+        metadata["fusegen_source"] = json.dumps(fingerprint, sort_keys=True)
+        written = write_safetensors(
             staging, STEMS[FUSED], fused_tensors(model, checkpoint), metadata=metadata, max_shard_size=max_shard_size
         )
-    (staging / "config.json").write_text(json.dumps(_fused_config(source, model_class.__name__), indent=2) + "\n")
+    description = {
+        "layout": FUSED,
+        "weights": written[-1].name,  # the index when sharded (written last), else the one file
+        "class": model_class.__name__,
+        "version": fusegen.__version__,
+        "stacked": json.loads(metadata[STACKED_KEY]),
+        "source": fingerprint,
+    }
+    config = _fused_config(source, model_class.__name__, description)
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in COPIED_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, staging / name)

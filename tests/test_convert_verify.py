@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -62,6 +63,13 @@ def test_convert_writes_a_fused_layout_that_loads(checkpoint, tmp_path, model_ty
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [fused_class.__name__] and config["fusegen_layout"] == "fused"
     assert config["model_type"] == model_type
+    described = config["fusegen"]
+    assert described["layout"] == "fused" and described["weights"] == "fused.safetensors"
+    assert described["class"] == fused_class.__name__ and "qkv_proj" in described["stacked"]
+    source_digest = hashlib.sha256((source / "model.safetensors").read_bytes()).hexdigest()
+    assert described["source"]["files"]["model.safetensors"]["sha256"] == source_digest
+    assert described["source"]["config_sha256"] == hashlib.sha256((source / "config.json").read_bytes()).hexdigest()
+    assert json.loads(metadata["fusegen_source"]) == described["source"]
 
     model = fused_class(original.config)
     assert load_checkpoint(model, out).layout == "fused"
@@ -85,12 +93,19 @@ def test_convert_shards_and_keeps_dtype(checkpoint, tmp_path):
 def test_original_class_refuses_a_fused_checkpoint_loudly(checkpoint, tmp_path):
     source, _ = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
     out = convert_checkpoint(source, tmp_path / "fused", "llama", generated_dir=GENERATED)
+    refusal = r"fusegen fused layout .*FusedLlamaForCausalLM"
+    with pytest.raises(ValueError, match=refusal):
+        LlamaForCausalLM.from_pretrained(out)
+    with pytest.raises(ValueError, match=refusal):
+        AutoModelForCausalLM.from_pretrained(out)
+    with pytest.raises(ValueError, match=refusal):
+        LlamaForCausalLM.from_pretrained(out, variant="fused")
+    # Without that config entry the weights' file name still keeps the original class from loading garbage.
+    config = json.loads((out / "config.json").read_text())
+    del config["transformers_weights"]
+    (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(OSError, match="no file named model.safetensors"):
         LlamaForCausalLM.from_pretrained(out)
-    with pytest.raises(OSError, match="no file named model.safetensors"):
-        AutoModelForCausalLM.from_pretrained(out)
-    with pytest.raises(OSError, match="no file named model.fused.safetensors"):
-        LlamaForCausalLM.from_pretrained(out, variant="fused")
 
 
 def test_convert_command(checkpoint, tmp_path, capsys):

@@ -32,7 +32,9 @@ from transformers.conversion_mapping import (
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
 )
-from transformers.core_model_loading import Concatenate, ConversionOps, WeightConverter
+from transformers.core_model_loading import ConversionOps, WeightConverter
+
+from .streaming import PreallocatedConcatenate
 
 # Checkpoint names are used as regexes by Transformers; restricting them to dotted identifiers means no character in
 # them can act as a regex operator (a `.` matching any char is harmless between identifiers).
@@ -72,13 +74,16 @@ def _tensors_of(value: Any) -> list[torch.Tensor]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-class MergedColumnConcatenate(Concatenate):
+class MergedColumnConcatenate(PreallocatedConcatenate):
     """Load direction: concatenate the checkpoint's pieces (in mapping order) into the merged weight or bias.
 
     Same maths as Transformers' `Concatenate`; it differs in two ways. Its `reverse_op` is `MergedColumnSplit`
     (size-aware) instead of an equal `Chunk`. And it checks the piece sizes against the target module's `output_sizes`,
     so a missing piece or a mapping order that disagrees with the module fails loudly (Transformers reports it as a
     conversion error and leaves the parameter missing) rather than loading a silently mis-split weight.
+
+    The merge itself (`PreallocatedConcatenate`, fusegen/runtime/streaming.py) allocates the merged tensor once and
+    reads each piece into its slice, from the checkpoint file when the piece is an untouched view of it.
     """
 
     def __init__(self, dim: int = 0):

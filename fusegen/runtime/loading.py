@@ -10,9 +10,9 @@ steps with no data read until the last one:
 2. `plan_load` matches every checkpoint tensor to its destination: a whole parameter, or a row slice of a merged
    (`MergedColumnLinear`) parameter found through `output_sizes` and the generated file's `STACKED_PARAMS_MAPPING`.
    Missing, unexpected and wrongly shaped tensors fail here, all at once.
-3. The copy: each tensor's bytes are read from the file straight into its destination's memory, or, when a dtype
-   conversion or a GPU is involved, through one per-tensor temporary and `copy_`; no state dict or second copy of
-   the model ever exists.
+3. The copy: each tensor's bytes are read from the file (positioned reads, never the memory map) straight into its
+   destination's memory, or, when a dtype conversion or a GPU is involved, through a reusable 16 MiB buffer and
+   `copy_`; no state dict, no per-tensor temporary and no second copy of the model ever exists.
 
 The model must already be materialised (e.g. `FusedLlamaForCausalLM(config)`); a `meta` model is refused because
 copying into meta tensors silently does nothing, and `to_empty` would leave non-persistent buffers (rotary `inv_freq`)
@@ -292,12 +292,39 @@ def _raw_readable(destination: torch.Tensor, dtype: torch.dtype) -> bool:
     )
 
 
+_BOUNCE_BYTES = 1 << 24
+
+
+def _read_converting(file, offset: int, info: TensorInfo, destination: torch.Tensor) -> None:
+    """Read a tensor stored as `info.dtype` into `destination` of another dtype or device, in chunks of <= 16 MiB.
+
+    Positioned reads into one small reusable buffer, each chunk converted by `copy_` into its elements of the
+    destination: no whole-tensor temporary and no memory-mapped page (a file cut after validation is a short read,
+    hence an error, where reading the mapping would kill the process with SIGBUS).
+    """
+    numel, itemsize = info.nbytes // info.dtype.itemsize, info.dtype.itemsize
+    per_chunk = max(1, _BOUNCE_BYTES // itemsize)
+    target = destination.view(-1) if destination.is_contiguous() else None
+    if target is None:  # a strided destination: read the whole tensor once, then copy
+        whole = torch.empty(info.shape, dtype=info.dtype)
+        _read_exactly(file, offset, memoryview(whole.view(torch.uint8).reshape(-1).numpy()))
+        destination.copy_(whole)
+        return
+    bounce = torch.empty(min(numel, per_chunk) * itemsize, dtype=torch.uint8)
+    for start in range(0, numel, per_chunk):
+        count = min(per_chunk, numel - start)
+        chunk = bounce[: count * itemsize]
+        _read_exactly(file, offset + start * itemsize, memoryview(chunk.numpy()))
+        target[start : start + count].copy_(chunk.view(info.dtype))
+
+
 class _SafetensorsFile:
     """One opened `.safetensors` file: header validated by safetensors, data read on demand.
 
     Data goes straight from the file into the destination's memory (`readinto`) when the bytes are usable as-is:
     no temporary tensor, and no memory-mapped pages left resident (which would count towards RSS while the file is
-    open). Otherwise (dtype conversion, GPU destination) through safetensors' tensor and `copy_`.
+    open). Otherwise (dtype conversion, GPU destination) through a small reusable buffer and `copy_`
+    (`_read_converting`); only a big-endian host reads through safetensors' memory-mapped tensor.
     """
 
     def __init__(self, path: Path, stack: ExitStack):
@@ -337,6 +364,8 @@ class _SafetensorsFile:
         if _raw_readable(destination, self._infos[name].dtype):
             buffer = destination.view(torch.uint8).reshape(-1).numpy()
             _read_exactly(self._file, self._offsets[name], memoryview(buffer))
+        elif sys.byteorder == "little" and self._infos[name].nbytes:
+            _read_converting(self._file, self._offsets[name], self._infos[name], destination)
         else:
             destination.copy_(self.tensor(name))
 

@@ -1,0 +1,154 @@
+"""`from_pretrained` of the generated classes: both checkpoint layouts, validated before a byte is mapped.
+
+A generated pretrained base defines `from_pretrained` as a call to `fused_from_pretrained` with Transformers' own
+`from_pretrained` as `load`. For a local checkpoint directory it does two things before handing over:
+
+1. **Validation** (`open_checkpoint`, headers only): every weight file is inside the directory (an index cannot name
+   `../x`), every header parses, every file is as long as its header's data offsets say (a truncated file is a
+   `CheckpointError` here, before Transformers memory-maps it; touching a mapping past the end of a file is SIGBUS),
+   no tensor is in two shards, the index agrees with the shards, and a directory holding only pickles
+   (`pytorch_model.bin*`) is refused unless `allow_pickle=True` is passed, as in `load_checkpoint`.
+2. **The fused layout** (written by `fusegen convert`): the weights are named `fused*.safetensors`, which Transformers
+   never looks for, and config.json's `transformers_weights` holds a refusal message (see fusegen/convert.py for why).
+   Here that entry is overridden with the real file name, so Transformers memory-maps the fused file and hands each
+   merged tensor on as a zero-copy view, exactly as the original class loads its own checkpoint. The file's row order
+   (`fusegen_stacked` in the header metadata) must equal the class's `STACKED_PARAMS_MAPPING`: the same total size
+   with q and k swapped would otherwise load without a word.
+
+Loading then runs inside a `reading_session`, so canonical q/k/v pieces are read from the file into their merged
+parameter's slices (fusegen/runtime/streaming.py).
+
+Anything else (a hub repo id, `variant=`, `gguf_file=`, `state_dict=`, `use_safetensors=False`, a config naming its
+own `transformers_weights`, a directory without weight files such as a PEFT adapter) goes to Transformers unchanged:
+those are resolved by Transformers in ways this module does not second-guess.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .loading import FUSED, LAYOUT_KEY, Checkpoint, CheckpointError, _candidates, normalise_stacked, open_checkpoint
+from .streaming import reading_session
+
+FUSEGEN_KEY = "fusegen"  # config.json: what `fusegen convert` wrote (layout, weights file, source fingerprint, ...)
+WEIGHTS_KEY = "transformers_weights"  # config.json: the weights file Transformers' from_pretrained reads
+_SKIP_KWARGS = ("state_dict", "gguf_file", "variant")
+
+
+def _config_json(root: Path) -> dict:
+    try:
+        document = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return document if isinstance(document, dict) else {}
+
+
+def _validated_directory(path: object, kwargs: dict) -> Path | None:
+    """The local checkpoint directory this call will read weights from, or None to leave the call to Transformers."""
+    if path is None or any(kwargs.get(name) is not None for name in _SKIP_KWARGS):
+        return None
+    if kwargs.get("use_safetensors") is False:
+        return None
+    root = Path(path) / (kwargs.get("subfolder") or "")
+    if not root.is_dir() or not _candidates(root):
+        return None
+    explicit = _config_json(root).get(WEIGHTS_KEY)
+    if explicit is not None and FUSEGEN_KEY not in _config_json(root):
+        return None
+    return root
+
+
+def _hub_blobs(root: Path) -> list[Path]:
+    """A hub cache snapshot (`.../snapshots/<rev>/`) links its files into `../../blobs/`; trust that directory."""
+    blobs = root.resolve().parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    return [blobs] if blobs is not None and blobs.is_dir() else []
+
+
+def _class_mapping(cls: type) -> dict[str, tuple[str, ...]]:
+    return normalise_stacked(getattr(sys.modules.get(cls.__module__), "STACKED_PARAMS_MAPPING", None) or {})
+
+
+def check_fused_rows(cls: type, checkpoint: Checkpoint) -> None:
+    """A fused checkpoint's merged rows must be in the class's order (same sizes, other order would load silently)."""
+    ours = _class_mapping(cls)
+    for merged, theirs in (checkpoint.stacked or {}).items():
+        if merged in ours and tuple(theirs) != ours[merged]:
+            raise CheckpointError(
+                f"merged rows of {merged} are {list(theirs)} in the checkpoint but {list(ours[merged])} in "
+                f"{cls.__name__}; convert the canonical checkpoint again with this fusegen",
+                file=checkpoint.files[0],
+            )
+
+
+def _point_at(root: Path, weights: str, kwargs: dict) -> dict:
+    """`kwargs` with the config's `transformers_weights` replaced by the fused weights file."""
+    config = kwargs.get("config")
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        config = copy.deepcopy(config)
+        setattr(config, WEIGHTS_KEY, weights)
+        return {**kwargs, "config": config}
+    source = Path(config) if config is not None else root
+    if WEIGHTS_KEY not in _config_json(source if source.is_dir() else root):
+        raise CheckpointError(
+            f"a fused-layout checkpoint whose config.json lacks {WEIGHTS_KEY!r}; write it with `fusegen convert`",
+            file=source / "config.json",
+        )
+    return {**kwargs, WEIGHTS_KEY: weights}
+
+
+def _forget_layout(config) -> None:
+    """The layout keys describe files, not the model: a model saved later writes the canonical layout."""
+    for key in (FUSEGEN_KEY, LAYOUT_KEY):
+        if key in getattr(config, "__dict__", {}):
+            delattr(config, key)
+
+
+def _save_canonical(model) -> None:
+    """Make `save_pretrained` split the merged tensors again after a fused-layout load.
+
+    Transformers' save reverses only the conversions that were USED at load (`model._weight_conversions`); loading
+    the fused layout uses none, so the model would save merged tensors in `model.safetensors`, which the original
+    class then loads with random q/k/v. Adding the registered merge converters back makes the save canonical.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    from .checkpoint import MergedColumnConcatenate
+
+    merges = [
+        conversion
+        for conversion in get_model_conversion_mapping(model, add_legacy=False)
+        if isinstance(conversion, WeightConverter)
+        and any(isinstance(op, MergedColumnConcatenate) for op in conversion.operations)
+    ]
+    model._weight_conversions = [*(getattr(model, "_weight_conversions", None) or []), *merges]
+
+
+def fused_from_pretrained(cls: type, load: Callable, path, *model_args, **kwargs):
+    """Transformers' `from_pretrained` (`load`), after validating a local checkpoint and pointing it at a fused one.
+
+    `allow_pickle=True` accepts a directory holding only `pytorch_model.bin*` (Transformers loads it with
+    `weights_only=True`). See the module docstring for what is checked and what is left to Transformers.
+    """
+    allow_pickle = kwargs.pop("allow_pickle", False)
+    root = _validated_directory(path, kwargs)
+    layout = None
+    if root is not None:
+        with open_checkpoint(root, allow_pickle=allow_pickle, allowed_roots=_hub_blobs(root)) as checkpoint:
+            layout = checkpoint.layout
+            if layout == FUSED:
+                check_fused_rows(cls, checkpoint)
+                weights = (checkpoint.index or checkpoint.files[0]).relative_to(root).as_posix()
+                kwargs = _point_at(root, weights, kwargs)
+    with reading_session():
+        loaded = load(path, *model_args, **kwargs)
+    if layout == FUSED:
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        _forget_layout(model.config)
+        _save_canonical(model)
+    return loaded
