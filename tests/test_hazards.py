@@ -14,6 +14,10 @@ import torch
 from fusegen.build import analyse, build
 
 MODULE = """
+import inspect
+import operator
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +38,9 @@ class Mutator(nn.Module):
     def forward(self, x):
         x.add_(1)
         return x
+
+
+{extra}
 
 
 class ToyConfig(PretrainedConfig):
@@ -75,6 +82,7 @@ class ToyLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.block = ToyBlock(config)
+{layer}
 
     def forward(self, x):
         return x + self.block(x)
@@ -358,13 +366,23 @@ HAZARDS = {
 }
 
 
-def write_case(tmp_path, name, init, forward):
+def module_source(model_type, init, forward, extra="", layer=""):
+    """The toy causal LM's source with the block's extra `__init__` lines and `forward` body filled in.
+
+    `extra` goes at module level (helpers, subclasses, global hooks), `layer`
+    into `ToyLayer.__init__` after the block is built (hooks, replacements).
+    """
+    source = MODULE.replace("{model_type}", model_type).replace("{init}", init.rstrip("\n") or "        pass")
+    source = source.replace("{extra}", extra.rstrip("\n")).replace("{layer}", layer.rstrip("\n"))
+    return source.replace("{forward}", forward.rstrip("\n"))
+
+
+def write_case(tmp_path, name, init, forward, extra="", layer=""):
     package = tmp_path / "hazard_cases"
     package.mkdir(exist_ok=True)
     (package / "__init__.py").touch()
     module_name = f"toy_{name}"
-    source = MODULE.replace("{model_type}", module_name).replace("{init}", init.rstrip("\n") or "        pass")
-    (package / f"{module_name}.py").write_text(source.replace("{forward}", forward.rstrip("\n")))
+    (package / f"{module_name}.py").write_text(module_source(module_name, init, forward, extra, layer))
     return f"hazard_cases.{module_name}"
 
 
