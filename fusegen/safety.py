@@ -123,6 +123,12 @@ PURE_OPERATORS = frozenset(
 )  # fmt: skip
 """`operator` functions that compute a value; the `i*` forms, `setitem` and `delitem` write their first operand."""
 
+INPLACE_DUNDERS = frozenset(
+    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__",
+     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
+)  # fmt: skip
+"""Tensor dunders that write their receiver (and keep no reference to their operands)."""
+
 REFLECTION_NAMES = frozenset({"eval", "exec", "locals", "vars", "globals", "compile", "__import__", "breakpoint"})
 """Builtins that reach every name of the frame, whatever they are handed."""
 
@@ -200,13 +206,24 @@ def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namesp
         new: set[str] = set()
         for targets, value in bindings:
             if may_alias(value, tracked, module):
-                new |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                new |= {name for target in targets for name in bound_names(target)}
         for call in calls:
             new |= _stash_targets(call, tracked, module, namespace, local)
         if new - tracked:
             tracked |= new
             changed = True
     return tracked
+
+
+def bound_names(target: ast.expr) -> set[str]:
+    """The names a binding target binds: `a`, `a, (b, *c)`; not the `self` of `self.c = ...`."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return {name for element in target.elts for name in bound_names(element)}
+    if isinstance(target, ast.Starred):
+        return bound_names(target.value)
+    return set()
 
 
 def _stash_targets(call: ast.Call, tracked: set[str], module: nn.Module, namespace, local: set[str]) -> set[str]:
@@ -235,7 +252,8 @@ def _keeps_no_reference(call: ast.Call, tracked: set[str], module: nn.Module, na
             return builtin or _functional(resolved) or _pure_torch(resolved) or _torch_inplace(resolved)
     if isinstance(func, ast.Attribute) and may_alias(func.value, tracked, module):
         name = func.attr
-        return name in PURE_METHODS or (name.endswith("_") and not name.endswith("__") and name != "set_")
+        in_place = name.endswith("_") and not name.endswith("__") and name != "set_"
+        return name in PURE_METHODS or name in INPLACE_DUNDERS or in_place
     return False
 
 
@@ -428,15 +446,13 @@ def check_no_escape(
             if id(node) not in inside and node.lineno < start:
                 keepers.setdefault(ast.dump(node.func, include_attributes=False), node)
     for node in _region_nodes(region):
-        if isinstance(node, ast.Call):
-            kept = keepers.get(ast.dump(node.func, include_attributes=False))
-            if kept is not None:
-                yield Refused(
-                    "input-escapes",
-                    f"`{ast.unparse(node.func)}` was handed the projection input by `{ast.unparse(kept)}` "
-                    "and may have kept it",
-                    node,
-                )
+        kept = keepers.get(ast.dump(node, include_attributes=False)) if isinstance(node, ast.expr) else None
+        if kept is not None:
+            yield Refused(
+                "input-escapes",
+                f"`{ast.unparse(node)}` was handed the projection input by `{ast.unparse(kept)}` and may have kept it",
+                node,
+            )
 
 
 def _global_storage(value: object) -> bool:
@@ -632,18 +648,15 @@ def check_no_opaque_aliases(
                 opaque.setdefault(name, node)
         if isinstance(node, ast.withitem) and node.optional_vars is not None:
             if may_alias(node.context_expr, tracked, module):
-                for part in ast.walk(node.optional_vars):
-                    if isinstance(part, ast.Name):
-                        opaque.setdefault(part.id, node.context_expr)
+                for name in bound_names(node.optional_vars):
+                    opaque.setdefault(name, node.context_expr)
     for targets, value in _bindings(funcdef):
         if not may_alias(value, tracked, module):
             continue
         for call in (n for n in ast.walk(value) if isinstance(n, ast.Call) and id(n) not in skip):
             if _call_may_alias(call, tracked, module) and not _keeps_no_reference(call, tracked, module, namespace):
-                for target in targets:
-                    for part in ast.walk(target):
-                        if isinstance(part, ast.Name):
-                            opaque.setdefault(part.id, call)
+                for name in (name for target in targets for name in bound_names(target)):
+                    opaque.setdefault(name, call)
     hits = {name: node for name, node in opaque.items() if name not in names}
     for node in _region_nodes(region):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in hits:
