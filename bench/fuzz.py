@@ -43,7 +43,10 @@ RETURN = (
     "return q + torch.cat([k, v], dim=-1) + h.sum() + a.sum() + b.sum() + x.sum() + y.sum() + d.sum() + n"
     " + self.saved.sum()"
 )
-INIT = "        self.act = nn.Tanh()\n        self.register_buffer('saved', torch.zeros(16))\n"
+INIT = (
+    "        self.act = nn.Tanh()\n        self.register_buffer('saved', torch.zeros(16))\n"
+    "        self.register_buffer('state', torch.ones(2, 5, 16))\n"
+)
 EXTRA = '''
 class Box:
     """A user object holding a tensor: its `view` writes what it holds."""
@@ -88,6 +91,7 @@ FAMILIES = {
     "operator": ["operator.iadd(x, 1)", "x.__imul__(2)", "operator.setitem(x, 0, 0.0)", "h.__iadd__(1)"],
     "deferred": ["def bump():\n    x.add_(1)", "bump()", "g = (t.mul_(2) for t in [x])", "next(g, None)"],
     "escape": ["self.saved = x[0, 0]", "self.saved.mul_(2)", "obj = Box(x)", "obj.view()", "poke()"],
+    "state": ["self.reset_state()", "n = self.state.sum()"],
 }  # fmt: skip
 """Statements by family; any of them may land before, between or after the projection calls."""
 
@@ -102,6 +106,8 @@ SETUPS = {
         "",
     ),
     "subclass": ("", "        self.block.k_proj = Scaled(16, 8, bias=False)"),
+    "class_swap": ("", _NARROW + "                module.__class__ = Scaled"),
+    "block_state_input": ("", "        self.block.register_forward_pre_hook(lambda m, args: (m.state,))"),
     "parametrized": (
         "",
         _NARROW + "                torch.nn.utils.parametrize.register_parametrization(module, 'weight', Double())",
@@ -187,12 +193,18 @@ class Harness:
 
     def __init__(self, workdir: Path, package: str = "fuzz_cases"):
         self.package = package
+        self.workdir = str(workdir)
         self.root = Path(workdir) / package
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "__init__.py").touch()
-        if str(workdir) not in sys.path:
-            sys.path.insert(0, str(workdir))
+        sys.path.insert(0, self.workdir)
         self.counter = 0
+
+    def __enter__(self) -> Harness:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        sys.path.remove(self.workdir)
 
     def check(self, case: Case) -> Result:
         self.counter += 1
@@ -203,7 +215,7 @@ class Harness:
         try:
             return self._check(name)
         finally:
-            for module_name in [m for m in sys.modules if m.startswith(self.package + ".")]:
+            for module_name in [m for m in sys.modules if m.split(".")[0] == self.package]:
                 for handle in getattr(sys.modules[module_name], "_HOOKS", []):
                     handle.remove()
                 del sys.modules[module_name]
@@ -280,10 +292,10 @@ def run(examples: int, seed: int = 0, workdir: Path | None = None) -> Figures:
     figures = Figures()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
-        harness = Harness(Path(workdir or scratch))
-        for _ in range(examples):
-            case = draw_case(rng.choice, rng.randint)
-            figures.add(case, harness.check(case))
+        with Harness(Path(workdir or scratch)) as harness:
+            for _ in range(examples):
+                case = draw_case(rng.choice, rng.randint)
+                figures.add(case, harness.check(case))
     figures.seconds = time.perf_counter() - start
     return figures
 
