@@ -28,11 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository root
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
-from fusegen.build import build  # noqa: E402
-from tests.test_hazards import module_source  # noqa: E402
+from fusegen.build import build
+from tests.test_hazards import module_source
 
 CALLS = ("q = self.q_proj(x)", "k = self.k_proj(x)", "v = self.v_proj(x)")
 PRELUDE = (
@@ -72,7 +72,9 @@ class Double(nn.Module):
     def forward(self, w):
         return w * 2
 '''
-_NARROW = "        for module in self.modules():\n            if type(module) is nn.Linear and module.out_features == 8:\n"
+_NARROW = (
+    "        for module in self.modules():\n            if type(module) is nn.Linear and module.out_features == 8:\n"
+)
 
 FAMILIES = {
     "views": ["h = x.view(-1)", "h = x[:, 1:]", "h = x.transpose(1, 2)", "a, b = x.chunk(2, dim=-1)", "h = a",
@@ -101,8 +103,10 @@ SETUPS = {
     "pre_hook": ("", _NARROW + "                module.register_forward_pre_hook(lambda m, i: (i[0] * 2,))"),
     "unrelated_hook": ("", "        self.block.act.register_forward_hook(lambda m, i, o: o * 2)"),
     "global_hook": (
-        "_HOOKS = [torch.nn.modules.module.register_module_forward_hook("
-        "lambda m, i, o: o * 2 if type(m) is nn.Linear else None)]",
+        (
+            "_HOOKS = [torch.nn.modules.module.register_module_forward_hook("
+            "lambda m, i, o: o * 2 if type(m) is nn.Linear else None)]"
+        ),
         "",
     ),
     "subclass": ("", "        self.block.k_proj = Scaled(16, 8, bias=False)"),
@@ -200,7 +204,7 @@ class Harness:
         sys.path.insert(0, self.workdir)
         self.counter = 0
 
-    def __enter__(self) -> Harness:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -291,11 +295,10 @@ def run(examples: int, seed: int = 0, workdir: Path | None = None) -> Figures:
     rng = random.Random(seed)
     figures = Figures()
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as scratch:
-        with Harness(Path(workdir or scratch)) as harness:
-            for _ in range(examples):
-                case = draw_case(rng.choice, rng.randint)
-                figures.add(case, harness.check(case))
+    with tempfile.TemporaryDirectory() as scratch, Harness(Path(workdir or scratch)) as harness:
+        for _ in range(examples):
+            case = draw_case(rng.choice, rng.randint)
+            figures.add(case, harness.check(case))
     figures.seconds = time.perf_counter() - start
     return figures
 

@@ -13,7 +13,7 @@ through the frame) must be *shown* not to write it, by a rule that names
 what it trusts:
 
 * torch functions and tensor methods known to be pure (`PURE_TORCH`,
-  `PURE_FUNCTIONAL`, `PURE_METHODS`), never their in-place `_` variants,
+  `torch.nn.functional`, `PURE_METHODS`), never their in-place `_` variants,
   never with `out=` or `inplace=`;
 * torch and Transformers modules, judged on the instantiated model
   (`pure_module`), never on the source text;
@@ -104,8 +104,8 @@ collectives (`torch.distributed.all_reduce`), `nn.utils.vector_to_parameters`
 and `torch.ops` overloads write their arguments, so only these names count.
 """
 
-PURE_FUNCTIONAL_MODULES = ("torch.nn.functional",)
-"""Namespaces whose every function is functional except the `_` variants and `inplace=True`."""
+FRESH_METHODS = frozenset({"clone", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
+"""Tensor methods whose result is always new storage, whatever the receiver: it aliases nothing."""
 
 PURE_BUILTINS = frozenset(
     {"len", "isinstance", "tuple", "list", "range", "min", "max", "int", "float", "bool", "str", "type", "zip",
@@ -163,7 +163,7 @@ def may_alias(expr: ast.expr, tracked: set[str], module: nn.Module) -> bool:
     if isinstance(expr, (ast.Constant, ast.Compare, ast.JoinedStr)):
         return False
     if isinstance(expr, ast.Lambda):
-        return bool(_loads(expr.body) & tracked)  # a closure over an alias reaches it when called
+        return bool(_loads(expr) & tracked)  # a closure over an alias (or a default) reaches it when called
     if isinstance(expr, ast.Attribute):
         return expr.attr not in METADATA_ATTRS and may_alias(expr.value, tracked, module)
     if isinstance(expr, ast.Subscript):
@@ -181,7 +181,7 @@ def _call_may_alias(call: ast.Call, tracked: set[str], module: nn.Module) -> boo
     func = call.func
     if self_attr(func) and type(getattr(module, func.attr, None)) is nn.Linear:
         return False  # a linear writes its result into new storage
-    if isinstance(func, ast.Attribute) and func.attr in METADATA_METHODS:
+    if isinstance(func, ast.Attribute) and (func.attr in METADATA_METHODS or func.attr in FRESH_METHODS):
         return False
     operands = [func, *call.args, *(keyword.value for keyword in call.keywords)]
     return any(may_alias(operand, tracked, module) for operand in operands)
@@ -196,9 +196,13 @@ def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namesp
     handed an alias by a call not known to keep no reference (`cache.append(x)`,
     `stash(cache, x)`) may hold it afterwards, so it is tracked too.
     """
+    return _aliases(funcdef, seeds, module, namespace, stash=True)
+
+
+def _aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace, stash: bool) -> set[str]:
     bindings = list(_bindings(funcdef))
     local = _local_names(funcdef) - {"self"}
-    calls = [node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Call)]
+    calls = [node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Call)] if stash else []
     tracked = set(seeds)
     changed = True
     while changed:
@@ -287,9 +291,12 @@ def _local_names(funcdef: ast.FunctionDef) -> set[str]:
     names = {n.id for n in ast.walk(funcdef) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
     names |= {a.arg for a in ast.walk(funcdef) if isinstance(a, ast.arg)}
     for node in ast.walk(funcdef):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not funcdef:
-            names.add(node.name)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and node is not funcdef
+            or isinstance(node, ast.ExceptHandler)
+            and node.name
+        ):
             names.add(node.name)
         elif isinstance(node, ast.alias):
             names.add((node.asname or node.name).split(".")[0])
@@ -327,7 +334,7 @@ def check_not_rebound(region: list[ast.stmt], tracked: set[str]):
         elif isinstance(node, ast.MatchMapping):
             bound = node.rest
         elif isinstance(node, (ast.Global, ast.Nonlocal)) and tracked & set(node.names):
-            bound = sorted(tracked & set(node.names))[0]
+            bound = min(tracked & set(node.names))
         if bound in tracked:
             verb = "deleted" if isinstance(getattr(node, "ctx", None), ast.Del) else "rebound"
             yield Refused("input-rebound", f"`{bound}` is {verb} between the projections", node)
@@ -360,9 +367,7 @@ def check_no_aliased_augassign(region: list[ast.stmt], tracked: set[str], names:
             targets = {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
             hit = targets & (tracked - names)
             if hit:
-                yield Refused(
-                    "aliased-augassign", f"`{ast.unparse(node).strip()}` writes `{sorted(hit)[0]}` in place", node
-                )
+                yield Refused("aliased-augassign", f"`{ast.unparse(node).strip()}` writes `{min(hit)}` in place", node)
 
 
 def check_no_reflection(funcdef: ast.FunctionDef):
@@ -381,22 +386,21 @@ def check_no_reflection(funcdef: ast.FunctionDef):
 
 
 def check_no_deferred_capture(funcdef: ast.FunctionDef, region: list[ast.stmt], tracked: set[str]):
-    """Refuse a lambda, nested function or generator written before the region that reads an alias.
+    """Refuse a lambda, nested function or generator, written before or in the region, that reads an alias.
 
     Its body runs when it is called or advanced, which may be inside the
-    region, so the statements of the region do not show what it does.
-    Eager comprehensions run where they stand and are checked there.
+    region, and its parameters may be bound to an alias (`lambda t=x: ...`),
+    so neither the statements of the region nor the alias analysis show
+    what it does. Eager comprehensions run where they stand and are checked there.
     """
-    start = region[0].lineno
-    inside = {id(node) for node in _region_nodes(region)}
-    for node in ast.walk(funcdef):
-        if isinstance(node, _SCOPES) and node is not funcdef and id(node) not in inside and node.lineno < start:
-            body = node.body if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)) else node
-            captured = _loads(body if isinstance(body, ast.AST) else ast.Module(body=body, type_ignores=[]))
+    end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+        if isinstance(node, _SCOPES) and node.lineno <= end:
+            captured = _loads(node)  # the body, and the defaults and decorators evaluated with it
             if captured & tracked:
                 yield Refused(
                     "deferred-capture",
-                    f"`{ast.unparse(node).splitlines()[0]}` captures `{sorted(captured & tracked)[0]}` "
+                    f"`{ast.unparse(node).splitlines()[0]}` captures `{min(captured & tracked)}` "
                     "and may run between the projections",
                     node,
                 )
@@ -423,11 +427,11 @@ def check_no_escape(
             if isinstance(node, ast.Assign) and node.lineno <= end and may_alias(node.value, tracked, module):
                 for target in node.targets:
                     for part in ast.walk(target):
-                        if isinstance(part, (ast.Attribute, ast.Subscript)) and isinstance(part.ctx, ast.Store):
-                            if not may_alias(part.value, tracked, module):
-                                yield Refused(
-                                    "input-escapes", f"`{ast.unparse(node)}` stores the projection input away", node
-                                )
+                        stored = isinstance(part, (ast.Attribute, ast.Subscript)) and isinstance(part.ctx, ast.Store)
+                        if stored and not may_alias(part.value, tracked, module):
+                            yield Refused(
+                                "input-escapes", f"`{ast.unparse(node)}` stores the projection input away", node
+                            )
             if not isinstance(node, ast.Call) or node.lineno > end:
                 continue
             operands = [*node.args, *(keyword.value for keyword in node.keywords)]
@@ -596,8 +600,11 @@ def _constant_attr(call: ast.Call) -> str | None:
 
 
 def _functional(function: object) -> bool:
-    origin = getattr(function, "__module__", None) or ""
-    return callable(function) and origin in PURE_FUNCTIONAL_MODULES
+    """A function of `torch.nn.functional` (by identity: its C builtins report another `__module__`)."""
+    from torch.nn import functional
+
+    name = getattr(function, "__name__", None)
+    return bool(name) and callable(function) and getattr(functional, name, None) is function
 
 
 def _pure_torch(function: object) -> bool:
@@ -630,26 +637,29 @@ def check_no_opaque_aliases(
     namespace: dict,
     projection_calls: list[ast.Call],
 ):
-    """Refuse if the region reads an alias that may be something other than a tensor view.
+    """Refuse if the forward reads, up to the last projection, an alias that may not be a tensor view.
 
     The method and operator rules trust that an alias is a tensor (or a
     container of tensors): the input is one, and allowlisted tensor code
     returns views. An alias made by anything else (`obj = Helper(x)`,
     `cache.append(x)`, `with ... as h`) may be a user object whose `view`
-    or `__add__` writes the input, so reading it between the projections is refused.
-    (The input's own names hold what `nn.Linear` is handed: a tensor.)
+    or `__add__` writes the input, or whose `clone()`/`size()` hands it back
+    where the analysis assumes fresh storage or an int; so reading it
+    before or between the projections is refused. (The input's own names
+    hold what `nn.Linear` is handed: a tensor.)
     """
     skip = {id(call) for call in projection_calls}
     local = _local_names(funcdef) - {"self"}
+    bound = _aliases(funcdef, names, module, namespace, stash=False)  # aliases by binding: views, or opaque below
     opaque: dict[str, ast.AST] = {}
     for node in ast.walk(funcdef):
         if isinstance(node, ast.Call) and id(node) not in skip:
-            for name in _stash_targets(node, tracked, module, namespace, local):
+            for name in _stash_targets(node, tracked, module, namespace, local) - bound:
                 opaque.setdefault(name, node)
-        if isinstance(node, ast.withitem) and node.optional_vars is not None:
-            if may_alias(node.context_expr, tracked, module):
-                for name in bound_names(node.optional_vars):
-                    opaque.setdefault(name, node.context_expr)
+        entered = isinstance(node, ast.withitem) and node.optional_vars is not None
+        if entered and may_alias(node.context_expr, tracked, module):
+            for name in bound_names(node.optional_vars):
+                opaque.setdefault(name, node.context_expr)
     for targets, value in _bindings(funcdef):
         if not may_alias(value, tracked, module):
             continue
@@ -658,8 +668,9 @@ def check_no_opaque_aliases(
                 for name in (name for target in targets for name in bound_names(target)):
                     opaque.setdefault(name, call)
     hits = {name: node for name, node in opaque.items() if name not in names}
-    for node in _region_nodes(region):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in hits:
+    end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in hits and node.lineno <= end:
             made = ast.unparse(hits[node.id])
             yield Refused("opaque-alias", f"`{node.id}` may hold the projection input through `{made}`", node)
 

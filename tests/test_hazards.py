@@ -772,7 +772,7 @@ def test_pieces_on_different_devices_are_refused():
 
 def test_a_subclassed_piece_leaves_its_plain_siblings_fused(case_path):
     # q is subclassed; k and v still merge. (With k subclassed, q + v is refused: `self.k_proj(x)` runs between them.)
-    init, forward, rule, extra, layer = FAMILY_HAZARDS["subclass_without_forward"]
+    init, forward, _rule, _extra, layer = FAMILY_HAZARDS["subclass_without_forward"]
     block = outcome(write_case(case_path, "subclass_siblings", init, forward, HELPERS, layer))
     assert [plan.projections for plan in block.fused] == [("k_proj", "v_proj")], block
     assert [refusal.rule for refusal in block.refused] == ["linear-subclass"], block.refused
