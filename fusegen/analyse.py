@@ -17,6 +17,7 @@ from fusegen.match import find_groups, merged_name
 from fusegen.plan import ClassOutcome, FusionPlan, Refusal, Refused
 from fusegen.rewrite_forward import rewrite_forward
 from fusegen.rewrite_init import check_no_other_uses, rewrite_init
+from fusegen.safety import check_projections, projection_findings
 from fusegen.trace import trace_module
 
 
@@ -46,6 +47,12 @@ def analyse_class(
         plan = queue.pop(0)
         candidate = copy.deepcopy(classdef)
         try:
+            check_projections(instance, plan.projections)
+        except Refused as refusal:
+            outcome.refused.append(Refusal(plan.projections, refusal.rule, refusal.reason, refusal.line))
+            queue.extend(_plain_subplans(instance, plan))
+            continue
+        try:
             if plan.merged in vetoes:
                 reason = vetoes[plan.merged]
                 raise Refused(_veto_rule(reason), reason)
@@ -63,6 +70,19 @@ def analyse_class(
         taken[plan.merged] = None
         outcome.fused.append(plan)
     return outcome, (classdef if outcome.fused else None)
+
+
+def _plain_subplans(instance: nn.Module, plan: FusionPlan) -> list[FusionPlan]:
+    """The group less the projections that are not plain `nn.Linear`s, if two or more remain.
+
+    One subclassed or hooked projection (a LoRA-wrapped `q_proj`) should not
+    cost the fusion of its plain siblings (`k_proj` + `v_proj`).
+    """
+    names = [name for name in plan.projections if not any(projection_findings(instance, (name,)))]
+    if len(names) < 2 or len(names) == len(plan.projections):
+        return []
+    shards = tuple((name, index) for index, name in enumerate(names))
+    return [FusionPlan("merged_column", merged_name(names), shards)]
 
 
 def _veto_rule(reason: str) -> str:
@@ -86,15 +106,24 @@ def _same_spelling_subplans(forward: ast.FunctionDef, plan: FusionPlan) -> list[
         calls = [
             node
             for node in ast.walk(forward)
-            if isinstance(node, ast.Call) and astutil.self_attr(node.func, name) and len(node.args) == 1
+            if isinstance(node, ast.Call) and astutil.self_attr(node.func, name) and _one_input(node) is not None
         ]
         if len(calls) == 1:
-            groups.setdefault(ast.dump(calls[0].args[0], include_attributes=False), []).append(name)
+            groups.setdefault(ast.dump(_one_input(calls[0]), include_attributes=False), []).append(name)
     return [
         FusionPlan("merged_column", merged_name(names), tuple((name, index) for index, name in enumerate(names)))
         for names in groups.values()
         if 2 <= len(names) < len(plan.projections)
     ]
+
+
+def _one_input(call: ast.Call) -> ast.expr | None:
+    """The input of `self.p(x)` or `self.p(input=x)`."""
+    if len(call.args) == 1 and not call.keywords:
+        return call.args[0]
+    if not call.args and len(call.keywords) == 1 and call.keywords[0].arg == "input":
+        return call.keywords[0].value
+    return None
 
 
 def _fusable_source(cls: type) -> ast.ClassDef:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fusegen.errors import InputError
-from fusegen.match import plain_linears
+from fusegen.match import linear_children
 from fusegen.resolve import Target
 
 _MISSING_ATTRIBUTE = re.compile(r"'\w+' object has no attribute '(\w+)'")
@@ -85,12 +85,14 @@ def _repair(config, error: Exception):
 
 
 def candidates(model: nn.Module) -> dict[type, nn.Module]:
-    """One instance of each module class with two or more plain linear children.
+    """One instance of each module class with two or more linear children.
 
+    Subclassed, hooked and parametrized linears count too, so that a group
+    holding one is reported as refused, with its rule, rather than skipped.
     Ordered by first appearance, so the analysis (and its report) is deterministic.
     """
     found: dict[type, nn.Module] = {}
     for module in model.modules():
-        if type(module) not in found and len(plain_linears(module)) >= 2:
+        if type(module) not in found and len(linear_children(module)) >= 2:
             found[type(module)] = module
     return found

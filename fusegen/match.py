@@ -30,9 +30,28 @@ def plain_linears(module: nn.Module) -> dict[str, nn.Linear]:
     return {name: child for name, child in module.named_children() if type(child) is nn.Linear}
 
 
+def linear_children(module: nn.Module) -> dict[str, nn.Linear]:
+    """Direct children that are `nn.Linear` or a subclass of it.
+
+    Groups are found among all of them, so that a subclass, a hooked or a
+    parametrized linear in a group is refused by name (`safety.check_projections`)
+    instead of silently left out.
+    """
+    return {name: child for name, child in module.named_children() if isinstance(child, nn.Linear)}
+
+
+def linear_input(node: fx.Node) -> object:
+    """The one input of a linear's call node: `p(x)` or `p(input=x)`, else None."""
+    if len(node.args) == 1 and not node.kwargs:
+        return node.args[0]
+    if not node.args and set(node.kwargs) == {"input"}:
+        return node.kwargs["input"]
+    return None
+
+
 def find_groups(graph: fx.Graph, module: nn.Module) -> list[FusionPlan]:
-    """Every group of >= 2 plain linears whose (first) call reads the same input node."""
-    linears = plain_linears(module)
+    """Every group of >= 2 linears whose (first) call reads the same input node."""
+    linears = linear_children(module)
     calls: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
         if node.op == "call_module" and node.target in linears:
@@ -42,8 +61,8 @@ def find_groups(graph: fx.Graph, module: nn.Module) -> list[FusionPlan]:
         # A linear called more than once joins the group of its first call, so
         # the rewrite stage refuses the group and reports why.
         node = nodes[0]
-        if len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
-            by_input.setdefault(node.args[0], []).append(node)
+        if isinstance(linear_input(node), fx.Node):
+            by_input.setdefault(linear_input(node), []).append(node)
     plans = []
     for nodes in by_input.values():
         if len(nodes) >= 2 and _same_input_width(nodes, linears):

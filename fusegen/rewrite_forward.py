@@ -55,8 +55,11 @@ def _single_call(funcdef: ast.FunctionDef, name: str) -> ast.Call:
         where = calls[1] if len(calls) > 1 else funcdef
         raise Refused("not-called-once", f"self.{name} is called {len(calls)} times in forward", where)
     call = calls[0]
+    if not call.args and len(call.keywords) == 1 and call.keywords[0].arg == "input":
+        # `nn.Linear.forward(self, input)`: the keyword names the one input; read it like a positional one.
+        call.args, call.keywords = [call.keywords[0].value], []
     if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
-        raise Refused("unusual-call", f"`{ast.unparse(call)}` does not pass exactly one positional input", call)
+        raise Refused("unusual-call", f"`{ast.unparse(call)}` does not pass exactly one input", call)
     for ref in refs:
         if ref is not call.func:
             _fold_guard(funcdef, ref, name)

@@ -4,9 +4,30 @@ Fusing moves every projection call to one merged call placed before the
 first of them, so the merged GEMM reads its input once, up front, where the
 later projections used to read it later. That is only sound if nothing in
 between changes the input: not by rebinding a name it reads, not by writing
-through it, and not by writing a view that shares its storage. Every rule
-over-approximates on purpose: a false alarm costs one fusion, a miss returns
-wrong numbers.
+through it, and not by writing a view that shares its storage.
+
+The analysis is an allowlist. Between the first and the last projection
+call, every expression that could reach the input or a possible alias of it
+(as an argument, a receiver, a callee, an augmented-assignment target, or
+through the frame) must be *shown* not to write it, by a rule that names
+what it trusts:
+
+* torch functions and tensor methods known to be pure (`PURE_TORCH`,
+  `torch.nn.functional`, `PURE_METHODS`), never their in-place `_` variants,
+  never with `out=` or `inplace=`;
+* torch and Transformers modules, judged on the instantiated model
+  (`pure_module`), never on the source text;
+* metadata reads (`METADATA_ATTRS`, `METADATA_METHODS`).
+
+Everything else is refused, with a stable rule id and the source line. Each
+rule over-approximates on purpose: a false alarm costs one fusion, a miss
+returns wrong numbers.
+
+What the analysis trusts without checking (documented in docs/analysis.md):
+the projection input is a tensor whose methods keep their documented
+meaning; a callee handed no alias of the input reaches it only through
+module state (`state-method-call`), a closure (`deferred-capture`) or the
+frame (`reflection`, `frame-access`).
 """
 
 from __future__ import annotations
@@ -14,37 +35,111 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import itertools
+import operator
+import types
 
+import torch
 from torch import nn
 
 from fusegen.astutil import self_attr
 from fusegen.plan import Refused
 
-METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_meta"})
+METADATA_ATTRS = frozenset(
+    {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_meta", "is_sparse",
+     "is_quantized", "is_leaf", "names"}
+)  # fmt: skip
 """Attributes that are ints, tuples or flags: they share no storage with the tensor."""
 
 METADATA_METHODS = frozenset(
-    {"size", "dim", "numel", "stride", "is_contiguous", "element_size", "get_device", "nelement", "item", "tolist"}
-)
+    {"size", "dim", "numel", "stride", "is_contiguous", "element_size", "get_device", "nelement", "item", "tolist",
+     "is_floating_point", "is_complex", "data_ptr", "storage_offset", "ndimension", "has_names"}
+)  # fmt: skip
+"""Methods that return ints, tuples, flags or Python copies of the values."""
 
 PURE_METHODS = frozenset(
     {
         *METADATA_METHODS,
         "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "contiguous", "unsqueeze",
-        "squeeze", "flatten", "unflatten", "expand", "expand_as", "repeat", "chunk", "split", "narrow",
-        "select", "unbind", "t", "to", "float", "half", "bfloat16", "double", "int", "long", "bool",
+        "squeeze", "flatten", "unflatten", "expand", "expand_as", "repeat", "repeat_interleave", "chunk", "split",
+        "narrow", "select", "unbind", "t", "to", "float", "half", "bfloat16", "double", "int", "long", "bool",
         "type", "type_as", "clone", "detach", "cpu", "matmul", "mm", "bmm", "add", "sub", "mul", "div",
-        "pow", "sqrt", "rsqrt", "exp", "mean", "sum", "norm", "softmax", "sigmoid", "tanh", "masked_fill",
-        "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+        "pow", "sqrt", "rsqrt", "exp", "log", "mean", "sum", "norm", "softmax", "log_softmax", "sigmoid", "tanh",
+        "masked_fill", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "abs", "neg", "max", "min",
+        "amax", "amin", "argmax", "argmin", "cumsum", "var", "std", "clamp", "clip", "where", "gather", "flip",
+        "roll", "tril", "triu", "sin", "cos", "relu", "square", "reciprocal", "any", "all", "eq", "ne", "lt",
+        "le", "gt", "ge", "isnan", "isinf", "topk", "sort", "argsort", "index_select", "masked_select", "movedim",
+        "swapaxes", "mT", "unfold", "float_power", "floor_divide", "remainder", "fmod", "round", "floor", "ceil",
+        "__getitem__", "__len__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+        "__truediv__", "__rtruediv__", "__matmul__", "__neg__", "__pow__", "__eq__", "__ne__", "__lt__", "__gt__",
+        "__le__", "__ge__", "__bool__", "__float__", "__int__",
     }
 )  # fmt: skip
-"""Tensor methods that never write their receiver or arguments."""
+"""Tensor methods that never write their receiver or arguments (some return views: those alias)."""
+
+PURE_TORCH = frozenset(
+    {
+        "cat", "concat", "concatenate", "stack", "hstack", "vstack", "matmul", "mm", "bmm", "baddbmm", "addmm",
+        "einsum", "softmax", "log_softmax", "sigmoid", "tanh", "relu", "exp", "log", "sqrt", "rsqrt", "abs",
+        "sin", "cos", "pow", "mean", "sum", "prod", "max", "min", "amax", "amin", "argmax", "argmin", "cumsum",
+        "var", "std", "norm", "clamp", "clip", "where", "gather", "index_select", "masked_fill", "masked_select",
+        "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "zeros", "ones", "full",
+        "empty", "arange", "linspace", "tensor", "as_tensor", "split", "chunk", "unbind", "transpose", "permute",
+        "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "narrow", "select", "flip", "roll", "tril",
+        "triu", "outer", "polar", "view_as_real", "view_as_complex", "topk", "sort", "argsort", "eq", "ne", "lt",
+        "le", "gt", "ge", "isnan", "isinf", "isfinite", "all", "any", "logical_not", "logical_and", "logical_or",
+        "add", "sub", "mul", "div", "neg", "erf", "square", "reciprocal", "movedim", "swapaxes", "broadcast_to",
+        "diag", "diagonal", "repeat_interleave", "is_tensor", "is_floating_point", "is_complex", "numel",
+        "finfo", "iinfo", "is_grad_enabled", "is_autocast_enabled", "get_default_dtype", "result_type",
+        "promote_types", "dropout", "layer_norm", "group_norm", "floor", "ceil", "round", "sign", "maximum",
+        "minimum", "lerp", "addcmul", "addcdiv", "bucketize", "searchsorted", "cdist", "dot", "clone", "detach",
+        "float_power", "remainder", "fmod", "floor_divide", "logsumexp", "tile", "expand_copy", "atleast_1d",
+        "atleast_2d", "atleast_3d",
+    }
+)  # fmt: skip
+"""Functions of the `torch` namespace that return new values (views alias) and write nothing.
+
+Not every `torch` function without a trailing underscore is pure: the
+collectives (`torch.distributed.all_reduce`), `nn.utils.vector_to_parameters`
+and `torch.ops` overloads write their arguments, so only these names count.
+"""
+
+FRESH_METHODS = frozenset({"clone", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
+"""Tensor methods whose result is always new storage, whatever the receiver: it aliases nothing."""
 
 PURE_BUILTINS = frozenset(
     {"len", "isinstance", "tuple", "list", "range", "min", "max", "int", "float", "bool", "str", "type", "zip",
-     "enumerate", "hasattr", "getattr", "print", "repr", "abs", "sum", "any", "all", "sorted", "reversed", "id"}
+     "enumerate", "hasattr", "print", "repr", "abs", "sum", "any", "all", "sorted", "reversed", "id", "divmod",
+     "round", "dict", "set", "frozenset", "slice", "next", "callable", "issubclass",
+     "hash", "format", "ValueError", "TypeError", "RuntimeError", "NotImplementedError", "KeyError",
+     "AssertionError", "IndexError", "AttributeError", "Exception"}
 )  # fmt: skip
-"""Builtins that may read a tensor but never write it."""
+"""Builtins that may read a tensor but never write it (not `map`, `filter`, `iter`: they call what they are given)."""
+
+PURE_OPERATORS = frozenset(
+    {"add", "sub", "mul", "truediv", "floordiv", "matmul", "neg", "pos", "pow", "mod", "getitem", "itemgetter",
+     "attrgetter", "eq", "ne", "lt", "le", "gt", "ge", "not_", "truth", "is_", "is_not", "index", "contains",
+     "length_hint", "and_", "or_", "xor", "invert", "abs"}
+)  # fmt: skip
+"""`operator` functions that compute a value; the `i*` forms, `setitem` and `delitem` write their first operand."""
+
+INPLACE_DUNDERS = frozenset(
+    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__",
+     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
+)  # fmt: skip
+"""Tensor dunders that write their receiver (and keep no reference to their operands)."""
+
+REFLECTION_NAMES = frozenset({"eval", "exec", "locals", "vars", "globals", "compile", "__import__", "breakpoint"})
+"""Builtins that reach every name of the frame, whatever they are handed."""
+
+FRAME_ATTRS = frozenset(
+    {"__dict__", "_getframe", "currentframe", "f_locals", "f_globals", "f_back", "getouterframes",
+     "getinnerframes", "tb_frame", "gi_frame", "cr_frame", "settrace", "setprofile", "_current_frames"}
+)  # fmt: skip
+"""Attributes that expose a frame's (or an object's) bindings to code not handed them."""
+
+_SCOPES = (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.GeneratorExp)
+"""Code that runs later than where it is written, so a walk over the region does not see it run."""
 
 
 def input_names(arg: ast.expr) -> set[str]:
@@ -62,11 +157,13 @@ def input_names(arg: ast.expr) -> set[str]:
 
 
 def may_alias(expr: ast.expr, tracked: set[str], module: nn.Module) -> bool:
-    """Could the value of `expr` share storage with a tracked name?"""
+    """Could the value of `expr` share storage with a tracked name (or be a bound method of one)?"""
     if isinstance(expr, ast.Name):
         return expr.id in tracked
-    if isinstance(expr, (ast.Constant, ast.Compare, ast.Lambda, ast.JoinedStr)):
+    if isinstance(expr, (ast.Constant, ast.Compare, ast.JoinedStr)):
         return False
+    if isinstance(expr, ast.Lambda):
+        return bool(_loads(expr) & tracked)  # a closure over an alias (or a default) reaches it when called
     if isinstance(expr, ast.Attribute):
         return expr.attr not in METADATA_ATTRS and may_alias(expr.value, tracked, module)
     if isinstance(expr, ast.Subscript):
@@ -82,34 +179,92 @@ def may_alias(expr: ast.expr, tracked: set[str], module: nn.Module) -> bool:
 
 def _call_may_alias(call: ast.Call, tracked: set[str], module: nn.Module) -> bool:
     func = call.func
-    if self_attr(func) and isinstance(getattr(module, func.attr, None), nn.Linear):
+    if self_attr(func) and type(getattr(module, func.attr, None)) is nn.Linear:
         return False  # a linear writes its result into new storage
-    if isinstance(func, ast.Attribute) and func.attr in METADATA_METHODS:
+    if isinstance(func, ast.Attribute) and (func.attr in METADATA_METHODS or func.attr in FRESH_METHODS):
         return False
-    operands = [*call.args, *(keyword.value for keyword in call.keywords)]
-    if isinstance(func, ast.Attribute) and not self_attr(func):
-        operands.append(func.value)  # a method may return a view of its receiver
+    operands = [func, *call.args, *(keyword.value for keyword in call.keywords)]
     return any(may_alias(operand, tracked, module) for operand in operands)
 
 
-def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module) -> set[str]:
-    """`seeds` plus every name in `funcdef` that may be bound to a view of them.
+def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace: dict | None = None) -> set[str]:
+    """`seeds` plus every name in `funcdef` that may be bound to a view of them, or hold one.
 
     Flow-insensitive (any assignment anywhere counts) and transitive, so
-    chains (`h = x.view(-1); g = h[1:]`) and unpacking are covered.
+    chains (`h = x.view(-1); g = h[1:]`), unpacking, bound methods
+    (`op = x.mul_`) and containers (`fns = [x]`) are covered. A local value
+    handed an alias by a call not known to keep no reference (`cache.append(x)`,
+    `stash(cache, x)`) may hold it afterwards, so it is tracked too.
     """
+    return _aliases(funcdef, seeds, module, namespace, stash=True)
+
+
+def _aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace, stash: bool) -> set[str]:
     bindings = list(_bindings(funcdef))
+    local = _local_names(funcdef) - {"self"}
+    calls = [node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Call)] if stash else []
     tracked = set(seeds)
     changed = True
     while changed:
         changed = False
+        new: set[str] = set()
         for targets, value in bindings:
             if may_alias(value, tracked, module):
-                new = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)} - tracked
-                if new:
-                    tracked |= new
-                    changed = True
+                new |= {name for target in targets for name in bound_names(target)}
+        for call in calls:
+            new |= _stash_targets(call, tracked, module, namespace, local)
+        if new - tracked:
+            tracked |= new
+            changed = True
     return tracked
+
+
+def bound_names(target: ast.expr) -> set[str]:
+    """The names a binding target binds: `a`, `a, (b, *c)`; not the `self` of `self.c = ...`."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return {name for element in target.elts for name in bound_names(element)}
+    if isinstance(target, ast.Starred):
+        return bound_names(target.value)
+    return set()
+
+
+def _stash_targets(call: ast.Call, tracked: set[str], module: nn.Module, namespace, local: set[str]) -> set[str]:
+    """Local names `call` may make hold an alias: every name it is handed, if it is handed one and may keep it."""
+    operands = [*call.args, *(keyword.value for keyword in call.keywords)]
+    if isinstance(call.func, ast.Attribute) and not self_attr(call.func):
+        operands.append(call.func.value)
+    if not any(may_alias(operand, tracked, module) for operand in operands) or _keeps_no_reference(
+        call, tracked, module, namespace
+    ):
+        return set()
+    return {name for operand in operands for name in _loads(operand)} & local
+
+
+def _keeps_no_reference(call: ast.Call, tracked: set[str], module: nn.Module, namespace) -> bool:
+    """Calls that return a value and store none of their operands anywhere: allowlisted tensor code."""
+    func = call.func
+    if self_attr(func):
+        return pure_module(getattr(module, func.attr, None)) or type(getattr(module, func.attr, None)) is nn.Linear
+    if namespace is not None and isinstance(func, (ast.Name, ast.Attribute)):
+        resolved = resolve(func, namespace)
+        if resolved is not _UNRESOLVED:
+            if resolved in (getattr, setattr, delattr) or operator_module_function(resolved) is not None:
+                return resolved is getattr
+            builtin = any(resolved is getattr(builtins, pure, None) for pure in PURE_BUILTINS)
+            return builtin or _functional(resolved) or _pure_torch(resolved) or _torch_inplace(resolved)
+    if isinstance(func, ast.Attribute) and may_alias(func.value, tracked, module):
+        name = func.attr
+        in_place = name.endswith("_") and not name.endswith("__") and name != "set_"
+        return name in PURE_METHODS or name in INPLACE_DUNDERS or in_place
+    return False
+
+
+def _torch_inplace(function: object) -> bool:
+    """`torch.relu_` and friends: write their first operand, keep no reference to any."""
+    name = getattr(function, "__name__", "") or ""
+    return name.endswith("_") and not name.endswith("__") and getattr(torch, name, None) is function
 
 
 def _bindings(funcdef: ast.FunctionDef):
@@ -127,153 +282,510 @@ def _bindings(funcdef: ast.FunctionDef):
             yield [node.target], node.iter
 
 
-def check_not_rebound(region: list[ast.stmt], tracked: set[str]) -> None:
+def _loads(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def _local_names(funcdef: ast.FunctionDef) -> set[str]:
+    """Every name `funcdef` binds itself: such a name never denotes the module-level object of that name."""
+    names = {n.id for n in ast.walk(funcdef) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    names |= {a.arg for a in ast.walk(funcdef) if isinstance(a, ast.arg)}
+    for node in ast.walk(funcdef):
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and node is not funcdef
+            or isinstance(node, ast.ExceptHandler)
+            and node.name
+        ):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+    return names
+
+
+def _region_nodes(region: list[ast.stmt]):
+    for stmt in region:
+        yield from ast.walk(stmt)
+
+
+def check_not_rebound(region: list[ast.stmt], tracked: set[str]):
     """Refuse if the region assigns or deletes a name the input expression reads.
 
     Each later projection re-evaluates its input expression; the merged call
     evaluates it once, before the region. Rebinding an alias is harmless (the
     input's storage is untouched), so only the input's own names count here.
+    Every binding form counts: assignment, `del`, `def`/`class`, `import ... as`,
+    `except ... as` (which also deletes the name) and `match` captures.
     """
-    for stmt in region:
-        for node in ast.walk(stmt):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) and node.id in tracked:
-                verb = "deleted" if isinstance(node.ctx, ast.Del) else "rebound"
-                raise Refused("input-rebound", f"`{node.id}` is {verb} between the projections", node)
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in tracked:
-                raise Refused("input-rebound", f"`{node.name}` is rebound between the projections", node)
+    for node in _region_nodes(region):
+        bound = None
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            bound = node.id
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ExceptHandler)):
+            bound = node.name
+        elif isinstance(node, ast.alias):
+            bound = (node.asname or node.name).split(".")[0]
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)):
+            bound = node.name
+        elif isinstance(node, ast.MatchMapping):
+            bound = node.rest
+        elif isinstance(node, (ast.Global, ast.Nonlocal)) and tracked & set(node.names):
+            bound = min(tracked & set(node.names))
+        if bound in tracked:
+            verb = "deleted" if isinstance(getattr(node, "ctx", None), ast.Del) else "rebound"
+            yield Refused("input-rebound", f"`{bound}` is {verb} between the projections", node)
 
 
-def check_not_written_through(region: list[ast.stmt], tracked: set[str], module: nn.Module) -> None:
-    """Refuse if the region writes an item or attribute of a possible alias (`x[0] = 0`)."""
-    for stmt in region:
+def check_not_written_through(region: list[ast.stmt], tracked: set[str], module: nn.Module):
+    """Refuse if the region writes an item or attribute of a possible alias (`x[0] = 0`, `x.data += 1`).
+
+    A store into an item or attribute writes the object it is taken from,
+    whichever statement form does it (assignment, augmented assignment, `del`).
+    """
+    for node in _region_nodes(region):
+        if (
+            isinstance(node, (ast.Subscript, ast.Attribute))
+            and isinstance(node.ctx, (ast.Store, ast.Del))
+            and may_alias(node.value, tracked, module)
+        ):
+            yield Refused("input-written", f"`{ast.unparse(node)}` writes into the projection input", node)
+
+
+def check_no_aliased_augassign(region: list[ast.stmt], tracked: set[str], names: set[str]):
+    """Refuse `h += 1` where `h` may be a view of the input (`h = x.view(-1)`, `d = x.detach()`).
+
+    An augmented assignment to a name is a store, yet on a tensor it runs
+    `__iadd__`, which writes the existing storage before rebinding the name.
+    (The input's own names are caught as rebinding first.)
+    """
+    for node in _region_nodes(region):
+        if isinstance(node, ast.AugAssign):
+            targets = {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+            hit = targets & (tracked - names)
+            if hit:
+                yield Refused("aliased-augassign", f"`{ast.unparse(node).strip()}` writes `{min(hit)}` in place", node)
+
+
+def check_no_reflection(funcdef: ast.FunctionDef):
+    """Refuse if `forward` mentions `eval`, `exec`, `locals`, `vars`, `globals`, `__dict__` or a frame.
+
+    These reach every name of the frame (or of an object) without being
+    handed them, so no alias analysis can bound what they touch. The whole
+    forward is scanned, not only the region: `e = eval` may be bound before
+    the region and called inside it.
+    """
+    local = _local_names(funcdef)
+    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+        by_name = isinstance(node, ast.Name) and node.id in REFLECTION_NAMES and node.id not in local
+        if by_name or (isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS):
+            yield Refused("reflection", f"`{ast.unparse(node)}` can reach any name of the frame", node)
+
+
+def check_no_deferred_capture(funcdef: ast.FunctionDef, region: list[ast.stmt], tracked: set[str]):
+    """Refuse a lambda, nested function or generator, written before or in the region, that reads an alias.
+
+    Its body runs when it is called or advanced, which may be inside the
+    region, and its parameters may be bound to an alias (`lambda t=x: ...`),
+    so neither the statements of the region nor the alias analysis show
+    what it does. Eager comprehensions run where they stand and are checked there.
+    """
+    end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+        if isinstance(node, _SCOPES) and node.lineno <= end:
+            captured = _loads(node)  # the body, and the defaults and decorators evaluated with it
+            if captured & tracked:
+                yield Refused(
+                    "deferred-capture",
+                    f"`{ast.unparse(node).splitlines()[0]}` captures `{min(captured & tracked)}` "
+                    "and may run between the projections",
+                    node,
+                )
+
+
+def check_no_escape(
+    funcdef: ast.FunctionDef, region: list[ast.stmt], tracked: set[str], module: nn.Module, namespace: dict
+):
+    """Refuse if a possible alias is put where the alias analysis cannot follow it, before or in the region.
+
+    Once stored in an object the analysis does not track (`self.c = x`,
+    `self.cache.append(x)`, `CACHE.append(x)`), or kept by a callee that is
+    not known to keep nothing (`self.norm(x)` with a user `norm`), any later
+    call reaching that object, or the same callee called again in the region,
+    could write the input without being handed a tracked name.
+    """
+    end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    start = region[0].lineno
+    local = _local_names(funcdef) - {"self"}
+    inside = {id(node) for node in _region_nodes(region)}
+    keepers: dict[str, ast.Call] = {}
+    for stmt in funcdef.body:
         for node in ast.walk(stmt):
-            if (
-                isinstance(node, (ast.Subscript, ast.Attribute))
-                and isinstance(node.ctx, (ast.Store, ast.Del))
-                and may_alias(node.value, tracked, module)
+            if isinstance(node, ast.Assign) and node.lineno <= end and may_alias(node.value, tracked, module):
+                for target in node.targets:
+                    for part in ast.walk(target):
+                        stored = isinstance(part, (ast.Attribute, ast.Subscript)) and isinstance(part.ctx, ast.Store)
+                        if stored and not may_alias(part.value, tracked, module):
+                            yield Refused(
+                                "input-escapes", f"`{ast.unparse(node)}` stores the projection input away", node
+                            )
+            if not isinstance(node, ast.Call) or node.lineno > end:
+                continue
+            operands = [*node.args, *(keyword.value for keyword in node.keywords)]
+            if isinstance(node.func, ast.Attribute) and not self_attr(node.func):
+                operands.append(node.func.value)
+            if not any(may_alias(o, tracked, module) for o in operands) or _keeps_no_reference(
+                node, tracked, module, namespace
             ):
-                raise Refused("input-written", f"`{ast.unparse(node)}` writes into the projection input", node)
+                continue
+            reached = {name for operand in operands for name in _loads(operand)} - local
+            stores = sorted(name for name in reached if name == "self" or _global_storage(namespace.get(name)))
+            if stores:
+                yield Refused(
+                    "input-escapes", f"`{ast.unparse(node)}` may store the projection input in `{stores[0]}`", node
+                )
+            if id(node) not in inside and node.lineno < start:
+                keepers.setdefault(ast.dump(node.func, include_attributes=False), node)
+    for node in _region_nodes(region):
+        kept = keepers.get(ast.dump(node, include_attributes=False)) if isinstance(node, ast.expr) else None
+        if kept is not None:
+            yield Refused(
+                "input-escapes",
+                f"`{ast.unparse(node)}` was handed the projection input by `{ast.unparse(kept)}` and may have kept it",
+                node,
+            )
 
 
-def check_no_inplace_calls(region: list[ast.stmt], tracked: set[str], module: nn.Module) -> None:
-    """Refuse in-place calls on a possible alias: `x.mul_()`, `torch.relu_(x)`, `out=x`, `inplace=True`."""
-    for stmt in region:
-        for call in (node for node in ast.walk(stmt) if isinstance(node, ast.Call)):
-            name = call_name(call)
-            receiver = call.func.value if isinstance(call.func, ast.Attribute) else None
-            in_place = name.endswith("_") and not name.endswith("__")
-            if in_place and receiver is not None and may_alias(receiver, tracked, module):
-                raise Refused("inplace-call", f"`{ast.unparse(call)}` writes the projection input in place", call)
-            operands = [*call.args, *(keyword.value for keyword in call.keywords if keyword.arg != "out")]
-            touches_input = any(may_alias(operand, tracked, module) for operand in operands)
-            for keyword in call.keywords:
-                if keyword.arg == "out" and may_alias(keyword.value, tracked, module):
-                    raise Refused("inplace-call", f"`{ast.unparse(call)}` writes the projection input via out=", call)
-                if keyword.arg == "inplace" and touches_input and not _is_false(keyword.value):
-                    raise Refused("inplace-call", f"`{ast.unparse(call)}` may modify its input in place", call)
-            if in_place and touches_input:
-                raise Refused("inplace-call", f"`{ast.unparse(call)}` writes the projection input in place", call)
+def _global_storage(value: object) -> bool:
+    """Could a module-level `value` hold a reference handed to it (a list, a dict, an object)?"""
+    return value is not None and not inspect.ismodule(value) and not callable(value)
 
 
-def check_calls_pure(
+def check_calls(
     region: list[ast.stmt],
     tracked: set[str],
     module: nn.Module,
     namespace: dict,
     projection_calls: list[ast.Call],
-) -> None:
-    """Refuse if a possible alias is handed to anything not known to leave it intact.
+    local: set[str],
+):
+    """Every call in the region that could reach an alias must be shown not to write it.
 
-    Submodules are judged by their instantiated class (`nn.ReLU(inplace=True)`
-    is impure whatever the source says), functions by what they resolve to
-    in the modeling module's namespace.
+    A call reaches an alias when its callee, receiver or any argument may
+    be one. It is then judged by what its callee statically is (`judge_call`);
+    a callee that is not a resolvable name or dotted attribute
+    (`(x.mul_ if c else x.mul)(2)`, `fns[0](x)`, `getattr(x, "mul_")(2)`)
+    is unknown and refused.
     """
     skip = {id(call) for call in projection_calls}
-    for stmt in region:
-        for call in (node for node in ast.walk(stmt) if isinstance(node, ast.Call)):
-            if id(call) in skip:
-                continue
-            operands = [*call.args, *(keyword.value for keyword in call.keywords)]
-            receiver = call.func.value if isinstance(call.func, ast.Attribute) and not self_attr(call.func) else None
-            if not any(may_alias(operand, tracked, module) for operand in operands) and not (
-                receiver is not None and may_alias(receiver, tracked, module)
-            ):
-                continue
-            if not _known_pure(call, module, namespace):
-                raise Refused(
-                    "impure-call",
-                    f"the projection input is passed to `{ast.unparse(call.func)}`, which may write it",
-                    call,
+    for call in (node for node in _region_nodes(region) if isinstance(node, ast.Call)):
+        found = None if id(call) in skip else judge_call(call, tracked, module, namespace, local)
+        if found is not None:
+            yield found
+
+
+def judge_call(
+    call: ast.Call, tracked: set[str], module: nn.Module, namespace: dict, local: set[str]
+) -> Refused | None:
+    """The one finding against `call`, or None if it provably leaves every tracked alias intact."""
+    func = call.func
+    text = ast.unparse(call)
+    found = _check_keywords(call, tracked, module, text)
+    if found is not None:
+        return found
+    args_alias = any(may_alias(arg, tracked, module) for arg in [*call.args, *(k.value for k in call.keywords)])
+    if self_attr(func):
+        if args_alias and not pure_module(getattr(module, func.attr, None)):
+            return Refused(
+                "impure-call", f"the projection input is passed to `{ast.unparse(func)}`, which may write it", call
+            )
+        return None
+    if isinstance(func, ast.Attribute):
+        resolved = resolve(func, namespace, local)
+        if resolved is _UNRESOLVED:
+            return _judge_method(call, func, may_alias(func.value, tracked, module), args_alias, text)
+        return _judge_function(resolved, call, text) if args_alias else None
+    if isinstance(func, ast.Name):
+        if may_alias(func, tracked, module):
+            return Refused("unknown-callee", f"`{func.id}` may be bound to a method or closure of the input", call)
+        if args_alias:
+            resolved = resolve(func, namespace, local)
+            if resolved is _UNRESOLVED:
+                return Refused(
+                    "unknown-callee", f"`{func.id}` is a local value, so what `{text}` does is unknown", call
                 )
+            return _judge_function(resolved, call, text)
+        return None
+    if args_alias or may_alias(func, tracked, module):
+        return Refused("unknown-callee", f"the callee of `{text}` is computed, so what it does is unknown", call)
 
 
-def check_no_state_methods(region: list[ast.stmt], module: nn.Module) -> None:
+def _judge_method(
+    call: ast.Call, func: ast.Attribute, receiver_alias: bool, args_alias: bool, text: str
+) -> Refused | None:
+    """A method of a local value: only allowlisted tensor methods may be called on, or handed, an alias.
+
+    The receiver is a tensor only when it is an alias of the input (the
+    input is a tensor, and `check_no_opaque_aliases` keeps every other alias
+    a tensor view): handed an alias, a method of any other object is unknown.
+    """
+    if not (receiver_alias or args_alias):
+        return None
+    name = func.attr
+    if name.startswith("__") and name.endswith("__") and name not in PURE_METHODS:
+        rule = "inplace-operator" if name.startswith(("__i", "__set", "__del")) else "impure-call"
+        return Refused(rule, f"`{text}` calls the dunder `{name}` on the projection input", call)
+    if name.endswith("_") and not name.endswith("__"):
+        return Refused("inplace-call", f"`{text}` writes the projection input in place", call)
+    if not receiver_alias:
+        return Refused("impure-call", f"`{text}` hands the projection input to a method of an unknown object", call)
+    if name not in PURE_METHODS:
+        return Refused("impure-call", f"`{text}` is not a tensor method known to leave its operands intact", call)
+
+
+def _judge_function(function: object, call: ast.Call, text: str) -> Refused | None:
+    """A resolved function handed an alias: only allowlisted pure functions pass."""
+    name = getattr(function, "__name__", "") or ""
+    if operator_module_function(function) is not None:
+        if name in PURE_OPERATORS:
+            return None
+        rule = "inplace-operator" if name.startswith("i") or name in ("setitem", "delitem") else "impure-call"
+        return Refused(rule, f"`{text}` is an `operator` function that writes its operand", call)
+    if function in (getattr, setattr, delattr):
+        if function is getattr and _constant_attr(call) in METADATA_ATTRS:
+            return None
+        return Refused("dynamic-attribute", f"`{text}` reaches an attribute of the projection input by name", call)
+    if any(function is getattr(builtins, pure, None) for pure in PURE_BUILTINS):
+        if any(keyword.arg == "key" for keyword in call.keywords):
+            return Refused("unknown-callee", f"`{text}` calls its `key` on the projection input", call)
+        return None
+    if name.endswith("_"):
+        return Refused("inplace-call", f"`{text}` writes the projection input in place", call)
+    if _functional(function) or _pure_torch(function):
+        if _inplace_positional(function, call):
+            return Refused("inplace-call", f"`{text}` passes an in-place flag positionally", call)
+        return None
+    return Refused(
+        "impure-call", f"the projection input is passed to `{ast.unparse(call.func)}`, which may write it", call
+    )
+
+
+def _check_keywords(call: ast.Call, tracked: set[str], module: nn.Module, text: str) -> Refused | None:
+    """`out=<alias>` writes the alias; `inplace=` anything but False on a call handed an alias may too."""
+    operands = [*call.args, *(k.value for k in call.keywords if k.arg not in ("out", "inplace")), call.func]
+    touches = any(may_alias(operand, tracked, module) for operand in operands)
+    for keyword in call.keywords:
+        if keyword.arg == "out" and may_alias(keyword.value, tracked, module):
+            return Refused("inplace-call", f"`{text}` writes the projection input via out=", call)
+        if keyword.arg == "inplace" and touches and not _is_false(keyword.value):
+            return Refused("inplace-call", f"`{text}` may modify its input in place", call)
+        if keyword.arg is None and touches:
+            return Refused("unknown-callee", f"`{text}` passes keywords by `**`, which may hold inplace=True", call)
+    return None
+
+
+def operator_module_function(function: object) -> object:
+    """`function` itself if it is a function of the `operator` module, else None."""
+    name = getattr(function, "__name__", None)
+    return function if name and getattr(operator, name, None) is function else None
+
+
+def _constant_attr(call: ast.Call) -> str | None:
+    if len(call.args) >= 2 and isinstance(call.args[1], ast.Constant) and isinstance(call.args[1].value, str):
+        return call.args[1].value
+    return None
+
+
+def _functional(function: object) -> bool:
+    """A function of `torch.nn.functional` (by identity: its C builtins report another `__module__`)."""
+    from torch.nn import functional
+
+    name = getattr(function, "__name__", None)
+    return bool(name) and callable(function) and getattr(functional, name, None) is function
+
+
+def _pure_torch(function: object) -> bool:
+    name = getattr(function, "__name__", None)
+    return bool(name) and name in PURE_TORCH and getattr(torch, name, None) is function
+
+
+def _inplace_positional(function: object, call: ast.Call) -> bool:
+    """`F.dropout(x, 0.1, True, True)`: an in-place flag passed positionally."""
+    try:
+        parameters = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return False  # torch builtins without a Python signature take no inplace flag
+    return "inplace" in parameters and len(call.args) > parameters.index("inplace")
+
+
+def _dotted(expr: ast.expr) -> bool:
+    """Is `expr` a name or a dotted attribute chain of names (statically spelled)?"""
+    while isinstance(expr, ast.Attribute):
+        expr = expr.value
+    return isinstance(expr, ast.Name)
+
+
+def check_no_opaque_aliases(
+    funcdef: ast.FunctionDef,
+    region: list[ast.stmt],
+    tracked: set[str],
+    names: set[str],
+    module: nn.Module,
+    namespace: dict,
+    projection_calls: list[ast.Call],
+):
+    """Refuse if the forward reads, up to the last projection, an alias that may not be a tensor view.
+
+    The method and operator rules trust that an alias is a tensor (or a
+    container of tensors): the input is one, and allowlisted tensor code
+    returns views. An alias made by anything else (`obj = Helper(x)`,
+    `cache.append(x)`, `with ... as h`) may be a user object whose `view`
+    or `__add__` writes the input, or whose `clone()`/`size()` hands it back
+    where the analysis assumes fresh storage or an int; so reading it
+    before or between the projections is refused. (The input's own names
+    hold what `nn.Linear` is handed: a tensor.)
+    """
+    skip = {id(call) for call in projection_calls}
+    local = _local_names(funcdef) - {"self"}
+    bound = _aliases(funcdef, names, module, namespace, stash=False)  # aliases by binding: views, or opaque below
+    opaque: dict[str, ast.AST] = {}
+    for node in ast.walk(funcdef):
+        if isinstance(node, ast.Call) and id(node) not in skip:
+            for name in _stash_targets(node, tracked, module, namespace, local) - bound:
+                opaque.setdefault(name, node)
+        entered = isinstance(node, ast.withitem) and node.optional_vars is not None
+        if entered and may_alias(node.context_expr, tracked, module):
+            for name in bound_names(node.optional_vars):
+                opaque.setdefault(name, node.context_expr)
+    for targets, value in _bindings(funcdef):
+        if not may_alias(value, tracked, module):
+            continue
+        for call in (n for n in ast.walk(value) if isinstance(n, ast.Call) and id(n) not in skip):
+            if _call_may_alias(call, tracked, module) and not _keeps_no_reference(call, tracked, module, namespace):
+                for name in (name for target in targets for name in bound_names(target)):
+                    opaque.setdefault(name, call)
+    hits = {name: node for name, node in opaque.items() if name not in names}
+    end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in hits and node.lineno <= end:
+            made = ast.unparse(hits[node.id])
+            yield Refused("opaque-alias", f"`{node.id}` may hold the projection input through `{made}`", node)
+
+
+def check_no_state_methods(region: list[ast.stmt], module: nn.Module):
     """Refuse if the region calls a method of the module itself (`self.reset_cache()`).
 
     Such a method reaches the module's state without being handed the input,
     and the input may be that state (`x = self.buffer`); submodule calls are
     judged by their arguments instead.
     """
-    for stmt in region:
-        for call in (node for node in ast.walk(stmt) if isinstance(node, ast.Call)):
-            if self_attr(call.func) and not isinstance(getattr(module, call.func.attr, None), nn.Module):
-                raise Refused(
-                    "state-method-call", f"`{ast.unparse(call.func)}` may change module state the input aliases", call
-                )
+    for call in (node for node in _region_nodes(region) if isinstance(node, ast.Call)):
+        func = call.func
+        if self_attr(func) and not isinstance(getattr(module, func.attr, None), nn.Module):
+            yield Refused(
+                "state-method-call", f"`{ast.unparse(func)}` may change module state the input aliases", call
+            )
 
 
-def _known_pure(call: ast.Call, module: nn.Module, namespace: dict) -> bool:
-    func = call.func
-    if self_attr(func):
-        return pure_module(getattr(module, func.attr, None))
-    resolved = resolve(func, namespace)
-    if resolved is not _UNRESOLVED:
-        return _pure_function(resolved, call)
-    # A method on a local value: trust only the tensor methods known not to write.
-    return isinstance(func, ast.Attribute) and func.attr in PURE_METHODS
+def check_frame_access(funcdef: ast.FunctionDef, namespace: dict):
+    """Refuse if `forward` names a Python function whose code (transitively) reaches a frame.
+
+    A helper called between the projections with no argument can still
+    write the input through `sys._getframe(1).f_locals` or `inspect.currentframe()`.
+    Module-level functions are followed through the names their code reads;
+    torch's own functions are trusted not to inspect their caller.
+    """
+    local = _local_names(funcdef)
+    for stmt in funcdef.body:
+        for node in ast.walk(stmt):
+            if isinstance(node, (ast.Name, ast.Attribute)) and _dotted(node):
+                function = resolve(node, namespace, local)
+                if isinstance(function, types.FunctionType) and _reaches_frame(function, set()):
+                    yield Refused("frame-access", f"`{ast.unparse(node)}` may read or write the caller's frame", node)
+
+
+def _reaches_frame(function: types.FunctionType, seen: set) -> bool:
+    if function in seen or (function.__module__ or "").startswith("torch") or len(seen) > 200:
+        return False
+    seen.add(function)
+    names = _code_names(function.__code__)
+    if names & (FRAME_ATTRS | REFLECTION_NAMES | {"inspect", "sys"}):
+        return True
+    for name in names:
+        other = function.__globals__.get(name)
+        if isinstance(other, types.FunctionType) and _reaches_frame(other, seen):
+            return True
+    return False
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
 
 
 def pure_module(child: object) -> bool:
     """Is `child` a module that never writes its input?
 
-    Only modules of torch and Transformers' activation library are trusted,
-    and only when not configured to work in place.
+    Judged on the instantiated module and every module inside it (an
+    `nn.Sequential` holds whatever it was given): only classes of torch and
+    of Transformers' activation library are trusted, never when configured
+    to work in place, and never with a hook, which runs arbitrary code.
     """
-    if not isinstance(child, nn.Module) or getattr(child, "inplace", False):
+    if not isinstance(child, nn.Module) or global_hooks():
         return False
-    origin = type(child).__module__
-    return origin.startswith("torch.nn.modules") or origin == "transformers.activations"
+    for inner in child.modules():
+        origin = type(inner).__module__
+        if getattr(inner, "inplace", False) or module_hooks(inner):
+            return False
+        if not (origin.startswith("torch.nn.modules") or origin == "transformers.activations"):
+            return False
+        if "forward" in vars(inner):
+            return False  # an instance attribute replaces the class's forward
+    return True
 
 
-def _pure_function(function: object, call: ast.Call) -> bool:
-    name = getattr(function, "__name__", "")
-    if function in _PURE_BUILTIN_OBJECTS:
-        return True
-    origin = getattr(function, "__module__", None) or ""
-    if not (origin == "torch" or origin.startswith("torch.")) or name.endswith("_"):
-        return False
-    if any(keyword.arg in ("out", "inplace") for keyword in call.keywords):
-        return False
-    try:
-        parameters = list(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return True  # torch builtins without a Python signature are functional
-    # `F.dropout(x, 0.1, True, True)`: an in-place flag passed positionally
-    return "inplace" not in parameters or len(call.args) <= parameters.index("inplace")
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)  # fmt: skip
 
 
-_PURE_BUILTIN_OBJECTS = [getattr(builtins, name) for name in sorted(PURE_BUILTINS)]
+def module_hooks(module: nn.Module) -> list[str]:
+    """The names of the hook tables of `module` that are not empty."""
+    return [name for name in _HOOK_DICTS if getattr(module, name, None)]
+
+
+def global_hooks() -> list[str]:
+    """The names of `torch.nn.modules.module`'s global hook tables that are not empty."""
+    from torch.nn.modules import module as module_module
+
+    tables = [name for name in dir(module_module) if name.startswith("_global_") and name.endswith("hooks")]
+    return [name for name in tables if getattr(module_module, name)]
+
+
 _UNRESOLVED = object()
 
 
-def resolve(expr: ast.expr, namespace: dict) -> object:
-    """The object a dotted name (`torch.nn.functional.silu`) denotes in `namespace`."""
+def resolve(expr: ast.expr, namespace: dict, local: set[str] | frozenset = frozenset()) -> object:
+    """The object a dotted name (`torch.nn.functional.silu`) denotes in `namespace`.
+
+    A name in `local` is bound by the function itself and so denotes
+    nothing at module level.
+    """
     if isinstance(expr, ast.Name):
+        if expr.id in local:
+            return _UNRESOLVED
         if expr.id in namespace:
             return namespace[expr.id]
         return getattr(builtins, expr.id, _UNRESOLVED)
     if isinstance(expr, ast.Attribute):
-        base = resolve(expr.value, namespace)
+        base = resolve(expr.value, namespace, local)
         if base is _UNRESOLVED or not inspect.ismodule(base):
             return _UNRESOLVED
         return getattr(base, expr.attr, _UNRESOLVED)
@@ -290,6 +802,55 @@ def _is_false(expr: ast.expr) -> bool:
     return isinstance(expr, ast.Constant) and expr.value is False
 
 
+def projection_findings(module: nn.Module, names: tuple[str, ...]):
+    """Refuse unless every projection is exactly what the rewrite assumes: a plain `nn.Linear`.
+
+    The merged linear reproduces `F.linear(x, W, b)` for each piece and
+    nothing else, so a subclass (its own `forward`, or any behaviour its
+    class adds), a hook, a parametrization (the weight is computed on each
+    access), an instance-level `forward`, or pieces of different dtype or
+    device (one concatenated weight has one of each) would all change what
+    runs. Every subclass is refused, with or without its own `forward`: a
+    subclass may change `__call__`, `_conv_forward`-like helpers or the
+    weight's meaning, and a false alarm costs only a fusion.
+    """
+    from torch.nn.utils import parametrize
+
+    hooks = global_hooks()
+    if hooks:
+        yield Refused("global-hook", f"a global module hook is registered ({', '.join(hooks)})")
+    pieces = []
+    for name in names:
+        child = getattr(module, name, None)
+        if isinstance(child, nn.Module) and parametrize.is_parametrized(child):
+            yield Refused("parametrized-projection", f"{name} is parametrized: its weight is computed on access")
+        elif isinstance(child, nn.Linear) and type(child) is not nn.Linear:
+            yield Refused("linear-subclass", f"{name} is a {type(child).__qualname__}, not exactly nn.Linear")
+        if not isinstance(child, nn.Linear):
+            yield Refused("linear-subclass", f"{name} is a {type(child).__qualname__}, not an nn.Linear")
+            continue
+        if module_hooks(child):
+            yield Refused("projection-hook", f"{name} has hooks ({', '.join(module_hooks(child))})")
+        if "forward" in vars(child) or "__call__" in vars(child):
+            yield Refused("projection-hook", f"{name} has an instance-level forward")
+        pieces.append((name, child))
+    for attribute, rule in (("dtype", "dtype-mismatch"), ("device", "device-mismatch")):
+        values = {
+            getattr(tensor, attribute)
+            for _, child in pieces
+            for tensor in (child.weight, child.bias)
+            if tensor is not None
+        }
+        if len(values) > 1:
+            spelled = ", ".join(f"{name}: {getattr(child.weight, attribute)}" for name, child in pieces)
+            yield Refused(rule, f"the projections differ in {attribute} ({spelled})")
+
+
+def check_projections(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Raise the first `projection_findings` refusal for the projections `names` of `module`."""
+    _raise_first(projection_findings(module, names))
+
+
 def check_input_stable(
     funcdef: ast.FunctionDef,
     region: list[ast.stmt],
@@ -300,9 +861,38 @@ def check_input_stable(
 ) -> None:
     """Run every rule; raises `Refused` naming the first that fires."""
     names = input_names(arg)
-    tracked = aliases(funcdef, names, module)
-    check_not_rebound(region, names)
-    check_not_written_through(region, tracked, module)
-    check_no_inplace_calls(region, tracked, module)
-    check_calls_pure(region, tracked, module, namespace, projection_calls)
-    check_no_state_methods(region, module)
+    tracked = aliases(funcdef, names, module, namespace)
+    local = _local_names(funcdef)
+    _raise_first(
+        itertools.chain(
+            check_no_reflection(funcdef),
+            check_not_rebound(region, names),
+            check_not_written_through(region, tracked, module),
+            check_no_aliased_augassign(region, tracked, names),
+            check_no_escape(funcdef, region, tracked, module, namespace),
+            check_no_deferred_capture(funcdef, region, tracked),
+            check_no_opaque_aliases(funcdef, region, tracked, names, module, namespace, projection_calls),
+            check_calls(region, tracked, module, namespace, projection_calls, local),
+            check_no_state_methods(region, module),
+            check_frame_access(funcdef, namespace),
+        )
+    )
+
+
+DISABLED: frozenset[str] = frozenset()
+"""Rule ids switched off. Only the mutation tests set it, to show each rule is needed."""
+
+
+def _raise_first(findings) -> None:
+    for refusal in findings:
+        if refusal.rule not in DISABLED:
+            raise refusal
+
+
+RULE_IDS = (
+    "reflection", "input-rebound", "input-written", "aliased-augassign", "input-escapes", "deferred-capture",
+    "opaque-alias", "inplace-call", "inplace-operator", "dynamic-attribute", "unknown-callee", "impure-call",
+    "state-method-call", "frame-access", "global-hook", "parametrized-projection", "linear-subclass",
+    "projection-hook", "dtype-mismatch", "device-mismatch",
+)  # fmt: skip
+"""Every rule id this module can refuse with (besides `input-not-simple`, which guards the input's spelling)."""

@@ -14,6 +14,10 @@ import torch
 from fusegen.build import analyse, build
 
 MODULE = """
+import inspect
+import operator
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +38,9 @@ class Mutator(nn.Module):
     def forward(self, x):
         x.add_(1)
         return x
+
+
+{extra}
 
 
 class ToyConfig(PretrainedConfig):
@@ -75,6 +82,7 @@ class ToyLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.block = ToyBlock(config)
+{layer}
 
     def forward(self, x):
         return x + self.block(x)
@@ -358,13 +366,321 @@ HAZARDS = {
 }
 
 
-def write_case(tmp_path, name, init, forward):
+def between(*lines, before=(), after=(), ret=RETURN):
+    """A forward calling q, then `lines`, then k and v; `before` runs ahead of q, `after` after v."""
+    indent = "".join("        " + line + "\n" for statement in (*before,) for line in statement.split("\n"))
+    middle = "".join("        " + line + "\n" for statement in lines for line in statement.split("\n"))
+    tail = "".join("        " + line + "\n" for statement in after for line in statement.split("\n"))
+    return (
+        indent
+        + "        q = self.q_proj(x)\n"
+        + middle
+        + "        k = self.k_proj(x)\n        v = self.v_proj(x)\n"
+        + tail
+        + ret
+    )
+
+
+HELPERS = '''
+CACHE = []
+
+
+class Box:
+    """A user object holding a tensor: its `view` writes what it holds."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def view(self):
+        self.t.mul_(2)
+        return self.t
+
+
+class Keeper(nn.Module):
+    """A user module that keeps a reference to what it is handed."""
+
+    def forward(self, t):
+        self.kept = t
+        return t
+
+
+def poke():
+    sys._getframe(1).f_locals["x"].mul_(2)
+
+
+def poke_inspect():
+    inspect.currentframe().f_back.f_locals["x"].add_(1)
+
+
+def poke_at(depth):
+    sys._getframe(depth).f_locals["x"].mul_(2)
+
+
+def outer_helper():
+    poke_at(2)
+
+
+def harmless_helper():
+    return 1
+
+
+class Scaled(nn.Linear):
+    def forward(self, t):
+        return super().forward(t) * 2
+
+
+class PlainSubclass(nn.Linear):
+    pass
+
+
+class Double(nn.Module):
+    def forward(self, w):
+        return w * 2
+'''
+NARROW_LOOP = (
+    "        for module in self.modules():\n            if type(module) is nn.Linear and module.out_features == 8:\n"
+)
+
+# name: (extra __init__ lines, forward body, expected rule, module-level lines, ToyLayer.__init__ lines)
+FAMILY_HAZARDS = {
+    # a callee that is not a statically resolvable name or dotted attribute, or is bound to the input
+    "callee_bound_method": ("", between("op = x.mul_", "op(2.0)"), "unknown-callee", "", ""),
+    "callee_bound_before": ("", between("op(2.0)", before=["op = x.mul_"]), "unknown-callee", "", ""),
+    "callee_ifexp": ("", between("(x.mul_ if self.flag else x.mul)(2.0)"), "unknown-callee", "", ""),
+    "callee_getattr": ("", between('getattr(x, "mul_")(2.0)'), "unknown-callee", "", ""),
+    "callee_list": ("", between("fns[0](1.0)", before=["fns = [x.add_]"]), "unknown-callee", "", ""),
+    "callee_dict": ("", between('ops["m"](2.0)', before=['ops = {"m": x.mul_}']), "unknown-callee", "", ""),
+    "callee_local_lambda": ("", between("f(x)", before=["f = lambda t: t.mul_(2.0)"]), "unknown-callee", "", ""),
+    "callee_immediate_lambda": ("", between("(lambda t: t.mul_(2.0))(x)"), "unknown-callee", "", ""),
+    "callee_chained_view": ("", between("x.view(-1).mul_(2)"), "inplace-call", "", ""),
+    # augmented assignment on a possible alias is an in-place write
+    "augassign_view": ("", between("h = x.view(-1)", "h *= 2"), "aliased-augassign", "", ""),
+    "augassign_detach": ("", between("d = x.detach()", "d += 1"), "aliased-augassign", "", ""),
+    "augassign_slice": ("", between("h -= 1", before=["h = x[:, 1:]"]), "aliased-augassign", "", ""),
+    "augassign_chunk": ("", between("a, b = x.chunk(2, dim=-1)", "b /= 2"), "aliased-augassign", "", ""),
+    "augassign_chain": (
+        "",
+        between("g **= 2", before=["h = x.transpose(1, 2)", "g = h[0]"]),
+        "aliased-augassign",
+        "",
+        "",
+    ),
+    "augassign_walrus": ("", between("(h := x.view(-1))", "h += 1"), "aliased-augassign", "", ""),
+    # reflection reaches any name of the frame
+    "reflection_eval": ("", between('eval("x.mul_(2)")'), "reflection", "", ""),
+    "reflection_exec": ("", between('exec("x.add_(1)")'), "reflection", "", ""),
+    "reflection_locals": ("", between('locals()["x"].add_(1)'), "reflection", "", ""),
+    "reflection_vars": ("", between('vars()["x"].mul_(0.5)'), "reflection", "", ""),
+    "reflection_eval_alias": ("", between('e("x.mul_(2)")', before=["e = eval"]), "reflection", "", ""),
+    "reflection_getframe": ("", between('sys._getframe(0).f_locals["x"].mul_(2)'), "reflection", "", ""),
+    "reflection_currentframe": ("", between('inspect.currentframe().f_locals["x"].add_(1)'), "reflection", "", ""),
+    "reflection_globals": ("", between('globals()["scale_in_place"](x)'), "reflection", "", ""),
+    # in-place operator functions and dunders
+    "operator_iadd": ("", between("operator.iadd(x, 1)"), "inplace-operator", "", ""),
+    "operator_imul_imported": ("", between("imul(x, 3)"), "inplace-operator", "from operator import imul", ""),
+    "operator_setitem": ("", between("operator.setitem(x, 0, 0.0)"), "inplace-operator", "", ""),
+    "operator_itruediv": ("", between("operator.itruediv(x, 2)"), "inplace-operator", "", ""),
+    "dunder_iadd": ("", between("x.__iadd__(1)"), "inplace-operator", "", ""),
+    "dunder_setitem": ("", between("x.__setitem__(0, 0.0)"), "inplace-operator", "", ""),
+    "dunder_on_view": ("", between("h = x.view(-1)", "h.__imul__(2)"), "inplace-operator", "", ""),
+    "setattr_data": ("", between('setattr(x, "data", x * 2)'), "dynamic-attribute", "", ""),
+    # the input stored where the alias analysis cannot follow it
+    "escape_self_attribute": ("", between("self.saved.mul_(2)", before=["self.saved = x"]), "input-escapes", "", ""),
+    "escape_global_list": ("", between("CACHE[-1].mul_(2)", before=["CACHE.append(x)"]), "input-escapes", "", ""),
+    "escape_keeper_module": (
+        "        self.keeper = Keeper()\n",
+        between("self.keeper.kept.mul_(2)", before=["self.keeper(x)"]),
+        "input-escapes",
+        "",
+        "",
+    ),
+    "opaque_local_list": (
+        "",
+        between("cache[0].mul_(2)", before=["cache = []", "cache.append(x)"]),
+        "opaque-alias",
+        "",
+        "",
+    ),
+    "opaque_user_object": ("", between("obj.view()", before=["obj = Box(x)"]), "opaque-alias", "", ""),
+    # code written before the region that runs inside it
+    "deferred_def": ("", between("bump()", before=["def bump():\n    x.add_(1)"]), "deferred-capture", "", ""),
+    "deferred_lambda": ("", between("g()", before=["g = lambda: x.mul_(2)"]), "deferred-capture", "", ""),
+    "deferred_generator": (
+        "",
+        between("next(gen)", before=["gen = (t.mul_(2) for t in [x])"]),
+        "deferred-capture",
+        "",
+        "",
+    ),
+    # helpers that reach the caller's frame
+    "frame_getframe_helper": ("", between("poke()"), "frame-access", "", ""),
+    "frame_helper_alias": ("", between("p()", before=["p = poke"]), "frame-access", "", ""),
+    "frame_inspect_helper": ("", between("poke_inspect()"), "frame-access", "", ""),
+    "frame_transitive_helper": ("", between("outer_helper()"), "frame-access", "", ""),
+    # rebinding the input, in every binding form
+    "rebound_walrus": ("", between("(x := x)"), "input-rebound", "", ""),
+    "rebound_for": ("", between("for x in [x]:\n    pass"), "input-rebound", "", ""),
+    "rebound_import": (
+        "",
+        between("from torch import tensor as x", "x = x_saved", before=["x_saved = x"]),
+        "input-rebound",
+        "",
+        "",
+    ),
+    "hook_forward": (
+        "",
+        QKV + RETURN,
+        "projection-hook",
+        "",
+        "        self.block.k_proj.register_forward_hook(lambda m, i, o: o * 2)",
+    ),
+    "hook_pre": (
+        "",
+        QKV + RETURN,
+        "projection-hook",
+        "",
+        "        self.block.v_proj.register_forward_pre_hook(lambda m, i: (i[0] * 2,))",
+    ),
+    "hook_loop": (
+        "",
+        QKV + RETURN,
+        "projection-hook",
+        "",
+        NARROW_LOOP + "                module.register_forward_hook(lambda m, i, o: o * 2)",
+    ),
+    "hook_backward": (
+        "",
+        QKV + RETURN,
+        "projection-hook",
+        "",
+        "        self.block.q_proj.register_full_backward_hook(lambda m, gi, go: None)",
+    ),
+    "hook_instance_forward": (
+        "",
+        QKV + RETURN,
+        "projection-hook",
+        "",
+        "        self.block.k_proj.forward = lambda t: t[..., :8] * 0",
+    ),
+    "hook_global": (
+        "",
+        QKV + RETURN,
+        "global-hook",
+        "_HOOKS = [torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)]",
+        "",
+    ),
+    "hook_global_pre": (
+        "",
+        QKV + RETURN,
+        "global-hook",
+        "_HOOKS = [torch.nn.modules.module.register_module_forward_pre_hook(lambda m, i: None)]",
+        "",
+    ),
+    "subclass_with_forward": (
+        "",
+        QKV + RETURN,
+        "linear-subclass",
+        "",
+        "        self.block.k_proj = Scaled(16, 8, bias=False)",
+    ),
+    "subclass_without_forward": (
+        "",
+        QKV + RETURN,
+        "linear-subclass",
+        "",
+        "        self.block.q_proj = PlainSubclass(16, 16, bias=False)",
+    ),
+    "subclass_in_init": (
+        "        self.v_proj = Scaled(config.hidden_size, 8, bias=False)\n",
+        QKV + RETURN,
+        "linear-subclass",
+        "",
+        "",
+    ),
+    "parametrized": (
+        "",
+        QKV + RETURN,
+        "parametrized-projection",
+        "",
+        "        torch.nn.utils.parametrize.register_parametrization(self.block.k_proj, 'weight', Double())",
+    ),
+    "parametrized_loop": (
+        "",
+        QKV + RETURN,
+        "parametrized-projection",
+        "",
+        NARROW_LOOP
+        + "                torch.nn.utils.parametrize.register_parametrization(module, 'weight', Double())",
+    ),
+    "dtype_mismatch": ("", QKV + RETURN, "dtype-mismatch", "", "        self.block.k_proj.to(torch.float64)"),
+    "dtype_mismatch_half": ("", QKV + RETURN, "dtype-mismatch", "", "        self.block.v_proj.half()"),
+}
+
+# name: (extra __init__ lines, forward body, module-level lines, ToyLayer.__init__ lines)
+FAMILY_SAFE = {
+    "detach_read_only": ("", between("d = x.detach()", "n = d.sum()", "m = d.view(-1).max()"), "", ""),
+    "metadata_reads": (
+        "",
+        between("n = x.ndim + x.numel() + len(x)", "t = x.dtype", "w = x.device", 's = getattr(x, "shape")'),
+        "",
+        "",
+    ),
+    "pure_torch_calls": (
+        "",
+        between(
+            "y = torch.cat([x, x], dim=-1).sum()",
+            "z = F.silu(x) + torch.sigmoid(x)",
+            "w = torch.matmul(x, x.transpose(-1, -2))",
+            "u = F.dropout(x, 0.0, False)",
+        ),
+        "",
+        "",
+    ),
+    "keyword_input": (
+        "",
+        "        q = self.q_proj(input=x)\n        k = self.k_proj(input=x)\n        v = self.v_proj(x)\n" + RETURN,
+        "",
+        "",
+    ),
+    "alias_rebound_not_augmented": ("", between("h = x.view(-1)", "h = h * 2"), "", ""),
+    "int_augassign": ("", between("n = x.shape[0]", "n += 1"), "", ""),
+    "pure_operator_functions": ("", between("y = operator.add(x, 1)", "z = operator.getitem(x, 0)"), "", ""),
+    "pure_dunders": ("", between("y = x.__getitem__(0)", "z = x.__add__(1)"), "", ""),
+    "lambda_not_capturing": ("", between("y = f(3)", before=["f = lambda t: t * 2"]), "", ""),
+    "helper_without_frames": ("", between("n = harmless_helper()"), "", ""),
+    "inplace_before_the_projections": ("", between(before=["x = x * 1", "x.mul_(2)"]), "", ""),
+    "unrelated_hook": (
+        "        self.act = nn.GELU()\n",
+        between(ret="        return self.act(q) + torch.cat([k, v], dim=-1)\n"),
+        "",
+        "        self.block.act.register_forward_hook(lambda m, i, o: o * 2)",
+    ),
+    "subclass_elsewhere": (
+        "        self.o_proj = Scaled(config.hidden_size, config.hidden_size, bias=False)\n",
+        between(ret="        return self.o_proj(q) + torch.cat([k, v], dim=-1)\n"),
+        "",
+        "",
+    ),
+}
+
+
+def module_source(model_type, init, forward, extra="", layer=""):
+    """The toy causal LM's source with the block's extra `__init__` lines and `forward` body filled in.
+
+    `extra` goes at module level (helpers, subclasses, global hooks), `layer`
+    into `ToyLayer.__init__` after the block is built (hooks, replacements).
+    """
+    source = MODULE.replace("{model_type}", model_type).replace("{init}", init.rstrip("\n") or "        pass")
+    source = source.replace("{extra}", extra.rstrip("\n")).replace("{layer}", layer.rstrip("\n"))
+    return source.replace("{forward}", forward.rstrip("\n"))
+
+
+def write_case(tmp_path, name, init, forward, extra="", layer=""):
     package = tmp_path / "hazard_cases"
     package.mkdir(exist_ok=True)
     (package / "__init__.py").touch()
     module_name = f"toy_{name}"
-    source = MODULE.replace("{model_type}", module_name).replace("{init}", init.rstrip("\n") or "        pass")
-    (package / f"{module_name}.py").write_text(source.replace("{forward}", forward.rstrip("\n")))
+    (package / f"{module_name}.py").write_text(module_source(module_name, init, forward, extra, layer))
     return f"hazard_cases.{module_name}"
 
 
@@ -373,6 +689,8 @@ def case_path(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
     for name in [m for m in sys.modules if m.startswith("hazard_cases")]:
+        for handle in getattr(sys.modules[name], "_HOOKS", []):
+            handle.remove()  # global hooks a case registered must not outlive it
         del sys.modules[name]
 
 
@@ -381,19 +699,43 @@ def outcome(dotted):
     return block
 
 
-@pytest.mark.parametrize("name", sorted(HAZARDS))
+ALL_HAZARDS = {
+    **{name: (init, forward, rule, "", "") for name, (init, forward, rule) in HAZARDS.items()},
+    **FAMILY_HAZARDS,
+}
+ALL_SAFE = {**{name: (init, forward, "", "") for name, (init, forward) in SAFE.items()}, **FAMILY_SAFE}
+
+
+def assert_refused_with(block, rule):
+    """The block's q/k/v group is refused with `rule`, naming a reason and a line; say what happened otherwise."""
+    outcomes = (
+        f"refused: {[refusal.describe() for refusal in block.refused]}; fused: {[p.describe() for p in block.fused]}"
+    )
+    matching = [refusal for refusal in block.refused if refusal.rule == rule]
+    assert matching, f"expected a refusal by {rule!r}; {outcomes}"
+    refusal = matching[0]
+    assert refusal.reason, f"the {rule!r} refusal gives no reason; {outcomes}"
+    assert refusal.projections not in [plan.projections for plan in block.fused], outcomes
+    return refusal
+
+
+@pytest.mark.parametrize("name", sorted(ALL_HAZARDS))
 def test_hazard_is_refused_with_its_rule(case_path, name):
-    init, forward, rule = HAZARDS[name]
-    block = outcome(write_case(case_path, name, init, forward))
-    (refusal,) = [refusal for refusal in block.refused if refusal.rule == rule] or [block.refused]
-    assert refusal.reason and refusal.line, refusal
-    assert refusal.projections not in [plan.projections for plan in block.fused]
+    init, forward, rule, extra, layer = ALL_HAZARDS[name]
+    block = outcome(write_case(case_path, name, init, forward, HELPERS + "\n" + extra, layer))
+    refusal = assert_refused_with(block, rule)
+    if rule not in PROJECTION_RULES:
+        assert refusal.line, f"the {rule!r} refusal names no source line: {refusal.describe()}"
 
 
-@pytest.mark.parametrize("name", sorted(SAFE))
+PROJECTION_RULES = {"projection-hook", "global-hook", "linear-subclass", "parametrized-projection", "dtype-mismatch"}
+"""Rules judged on the instantiated modules, which have no source line."""
+
+
+@pytest.mark.parametrize("name", sorted(ALL_SAFE))
 def test_safe_case_is_fused_and_computes_the_same(case_path, tmp_path, name):
-    init, forward = SAFE[name]
-    dotted = write_case(case_path, name, init, forward)
+    init, forward, extra, layer = ALL_SAFE[name]
+    dotted = write_case(case_path, name, init, forward, HELPERS + "\n" + extra, layer)
     block = outcome(dotted)
     assert ("q_proj", "k_proj", "v_proj") in [plan.projections for plan in block.fused], block.refused
     assert not block.refused, block.refused
@@ -414,6 +756,26 @@ def test_safe_case_is_fused_and_computes_the_same(case_path, tmp_path, name):
             expected = original(input_ids).logits
             actual = fused.eval()(input_ids).logits
         assert torch.allclose(expected, actual, atol=1e-6, rtol=0), (expected - actual).abs().max()
+
+
+def test_pieces_on_different_devices_are_refused():
+    from torch import nn
+
+    from fusegen.safety import projection_findings
+
+    block = nn.Module()
+    block.q_proj, block.k_proj = nn.Linear(4, 4), nn.Linear(4, 2)
+    block.k_proj.to("meta")
+    rules = [refusal.rule for refusal in projection_findings(block, ("q_proj", "k_proj"))]
+    assert rules == ["device-mismatch"], rules
+
+
+def test_a_subclassed_piece_leaves_its_plain_siblings_fused(case_path):
+    # q is subclassed; k and v still merge. (With k subclassed, q + v is refused: `self.k_proj(x)` runs between them.)
+    init, forward, _rule, _extra, layer = FAMILY_HAZARDS["subclass_without_forward"]
+    block = outcome(write_case(case_path, "subclass_siblings", init, forward, HELPERS, layer))
+    assert [plan.projections for plan in block.fused] == [("k_proj", "v_proj")], block
+    assert [refusal.rule for refusal in block.refused] == ["linear-subclass"], block.refused
 
 
 def test_generic_group_gets_a_merged_column_plan(case_path):

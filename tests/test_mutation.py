@@ -1,0 +1,60 @@
+"""Each safety rule is needed: switched off alone, it lets a miscompile through.
+
+For every rule a small fixed forward is refused by that rule (and by no other
+check that would fire on it); with the rule switched off (`safety.DISABLED`)
+the same forward is fused and the fused layer's output differs from the
+original's. So no rule is dead weight, and the differential check is strong
+enough to see what each one prevents.
+"""
+
+import pytest
+
+from bench.fuzz import SETUPS, Case, Harness
+from fusegen import safety
+
+Q, K, V = "q = self.q_proj(x)", "k = self.k_proj(x)", "v = self.v_proj(x)"
+
+MUTANTS = {
+    "reflection": Case((Q, 'eval("x.mul_(2)")', K, V)),
+    # traced in training mode, where `x` stays the same node; run in eval mode, where it is rebound
+    "input-rebound": Case((Q, "x = x if self.training else x * 2", K, V)),
+    "input-written": Case((Q, "x[0] = 0", K, V)),
+    "aliased-augassign": Case((Q, "h = x.view(-1)", "h *= 2", K, V)),
+    "input-escapes": Case(("self.kept = x", Q, "self.kept.mul_(2)", K, V)),
+    "deferred-capture": Case(("def bump():\n    x.add_(1)", Q, "bump()", K, V)),
+    "opaque-alias": Case(("obj = Box(x)", Q, "obj.view()", K, V)),
+    "inplace-call": Case((Q, "x.mul_(2)", K, V)),
+    "inplace-operator": Case((Q, "operator.iadd(x, 1)", K, V)),
+    "dynamic-attribute": Case((Q, 'setattr(x, "data", x * 2)', K, V)),
+    "unknown-callee": Case(("op = x.mul_", Q, "op(2.0)", K, V)),
+    "impure-call": Case((Q, "scale_in_place(x)", K, V)),
+    # the block is handed its own state buffer (a pre-hook on the block), which `reset_state` zeroes
+    "state-method-call": Case((Q, "self.reset_state()", K, V), setup="block_state_input"),
+    "frame-access": Case((Q, "poke()", K, V)),
+    "global-hook": Case((Q, K, V), setup="global_hook"),
+    "projection-hook": Case((Q, K, V), setup="forward_hook"),
+    "linear-subclass": Case((Q, K, V), setup="class_swap"),
+    "parametrized-projection": Case((Q, K, V), setup="parametrized"),
+}
+UNTESTABLE = {
+    "dtype-mismatch": "outside autocast no original forward runs with pieces of two dtypes; inside it the merged "
+    "GEMM casts alike, so the rule keeps the merged parameter's dtype honest rather than the numbers",
+    "device-mismatch": "needs two devices; tests/test_hazards.py checks it on meta vs cpu",
+}
+
+
+def test_every_rule_has_a_mutant():
+    assert set(MUTANTS) | set(UNTESTABLE) == set(safety.RULE_IDS)
+    assert set(SETUPS) >= {case.setup for case in MUTANTS.values()}
+
+
+@pytest.mark.parametrize("rule", sorted(MUTANTS))
+def test_switching_a_rule_off_lets_a_miscompile_through(tmp_path, monkeypatch, rule):
+    with Harness(tmp_path, "mutant_cases") as harness:
+        kept = harness.check(MUTANTS[rule])
+        assert not kept.fused and rule in kept.rules, f"with every rule on: {kept}"
+        assert kept.invalid is None, kept
+        monkeypatch.setattr(safety, "DISABLED", frozenset({rule}))
+        switched_off = harness.check(MUTANTS[rule])
+    assert switched_off.fused, f"with {rule} off the case is still refused: {switched_off}"
+    assert switched_off.miscompile, f"with {rule} off the fused case still computes the same: {switched_off}"
