@@ -75,6 +75,8 @@ class BuildResult:
     """The generated module, or None when nothing could be fused."""
     fused_classes: list[type] = field(default_factory=list)
     """The original classes that were rewritten (in analysis order)."""
+    validation: object | None = None
+    """The `fusegen.validate.Validation` of the text, when it was validated."""
 
 
 def analyse(name: str) -> Analysis:
@@ -94,8 +96,12 @@ def analyse(name: str) -> Analysis:
     return Analysis(target, model, outcomes, rewritten)
 
 
-def build(name: str) -> BuildResult:
-    """The whole pipeline: the generated module's text for target `name`."""
+def build(name: str, validate: bool = True) -> BuildResult:
+    """The whole pipeline: the generated module's text for target `name`.
+
+    `validate=False` skips translation validation (`fusegen.validate`): for tests of the analysis itself, which
+    must see what the analysis alone would emit.
+    """
     analysis = analyse(name)
     target, model, outcomes, rewritten = analysis.target, analysis.model, analysis.outcomes, analysis.rewritten
     if not rewritten:
@@ -137,7 +143,38 @@ def build(name: str) -> BuildResult:
         exports=repr(sorted(renames.values())),
         **_tensor_parallel(model, plans, _parents(model, outcomes), _checkpoint_classes(model, target, renames)),
     )
-    return BuildResult(target, outcomes, text, list(rewritten))
+    result = BuildResult(target, outcomes, text, list(rewritten))
+    return _validated(result) if validate else result
+
+
+def _validated(result: BuildResult) -> BuildResult:
+    """`result` if its text computes what the original computes (`fusegen.validate`), else no text and every
+    fusion refused with rule `validation-mismatch`, naming the config and the figure.
+
+    The whole target is refused, not only the class at fault: the analysis already believed every fusion sound,
+    so a mismatch means its reasoning failed somewhere, and a file whose other classes pass is not evidence enough.
+    """
+    from fusegen import validate
+
+    try:
+        report = validate.validate(result.target, result.text)
+    except Exception as error:  # noqa: BLE001 - an unvalidated file is not written; say why instead of crashing
+        report = validate.Validation([validate.Check("tiny", "mismatch", f"validation failed: {error!r}"[:500])])
+    result.validation = report
+    mismatch = report.mismatch
+    if mismatch is None:
+        return result
+    reason = validate.refusal_reason(mismatch)
+    outcomes = [
+        ClassOutcome(
+            outcome.class_name,
+            [],
+            outcome.refused + [Refusal(plan.projections, validate.RULE, reason) for plan in outcome.fused],
+            outcome.trace_error,
+        )
+        for outcome in result.outcomes
+    ]
+    return BuildResult(result.target, outcomes, None, [], report)
 
 
 def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
