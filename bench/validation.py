@@ -52,7 +52,9 @@ def build_cost(rounds: int) -> None:
     for label, value in medians.items():
         runs = ", ".join(f"{v:.2f}" for v in samples[label])
         print(f"{label:45s} {value:6.2f} s  ({value / floor:.2f}x the import floor; runs {runs})")
-    print(f"validation's share: {medians['fusegen -q build llama qwen2 (validated)'] - medians['same pipeline, validate=False']:.2f} s")
+    print(
+        f"validation's share: {medians['fusegen -q build llama qwen2 (validated)'] - medians['same pipeline, validate=False']:.2f} s"
+    )
 
 
 def in_process() -> None:
@@ -86,7 +88,9 @@ def variants() -> None:
     for path in sorted(Path(generated.__file__).parent.glob("fused_*.py")):
         target = resolve(path.stem.removeprefix("fused_"))
         config = model_config(target, tiny_config(target.config_class))
-        print(f"{target.model_type}: {', '.join(label for label, _ in construction_variants(target, config, limit=8))}")
+        print(
+            f"{target.model_type}: {', '.join(label for label, _ in construction_variants(target, config, limit=8))}"
+        )
 
 
 def main() -> None:

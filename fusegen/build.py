@@ -79,30 +79,40 @@ class BuildResult:
     """The `fusegen.validate.Validation` of the text, when it was validated."""
 
 
-def analyse(name: str) -> Analysis:
-    """Stages 1-5: every candidate class's outcome, and the rewritten classes."""
+def analyse(name: str, refused: dict[str, dict[str, str]] | None = None) -> Analysis:
+    """Stages 1-5: every candidate class's outcome, and the rewritten classes.
+
+    `refused`: `{class: {merged: reason}}` fusions to refuse whatever the analysis finds (validation's verdicts).
+    """
     target = resolve(name)
     model = instantiate(target)
     found = candidates(model)
-    results = {cls: analyse_class(cls, instance, vars(sys.modules[cls.__module__])) for cls, instance in found.items()}
+    refused = refused or {}
+
+    def run(cls, instance, vetoes=None):
+        return analyse_class(
+            cls, instance, vars(sys.modules[cls.__module__]), {**refused.get(cls.__name__, {}), **(vetoes or {})}
+        )
+
+    results = {cls: run(cls, instance) for cls, instance in found.items()}
     vetoes = _vetoes(model, [outcome for outcome, _ in results.values()])
     while vetoes:
         for cls, instance in found.items():
             if cls.__name__ in vetoes:
-                results[cls] = analyse_class(cls, instance, vars(sys.modules[cls.__module__]), vetoes[cls.__name__])
+                results[cls] = run(cls, instance, vetoes[cls.__name__])
         vetoes = _vetoes(model, [outcome for outcome, _ in results.values()])
     outcomes = [outcome for outcome, _ in results.values()]
     rewritten = {cls: classdef for cls, (_, classdef) in results.items() if classdef is not None}
     return Analysis(target, model, outcomes, rewritten)
 
 
-def build(name: str, validate: bool = True) -> BuildResult:
+def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] | None = None) -> BuildResult:
     """The whole pipeline: the generated module's text for target `name`.
 
     `validate=False` skips translation validation (`fusegen.validate`): for tests of the analysis itself, which
-    must see what the analysis alone would emit.
+    must see what the analysis alone would emit. `refused`: fusions to refuse up front (see `analyse`).
     """
-    analysis = analyse(name)
+    analysis = analyse(name, refused)
     target, model, outcomes, rewritten = analysis.target, analysis.model, analysis.outcomes, analysis.rewritten
     if not rewritten:
         return BuildResult(target, outcomes, None)
@@ -144,15 +154,15 @@ def build(name: str, validate: bool = True) -> BuildResult:
         **_tensor_parallel(model, plans, _parents(model, outcomes), _checkpoint_classes(model, target, renames)),
     )
     result = BuildResult(target, outcomes, text, list(rewritten))
-    return _validated(result) if validate else result
+    return _validated(name, result, refused) if validate else result
 
 
-def _validated(result: BuildResult) -> BuildResult:
-    """`result` if its text computes what the original computes (`fusegen.validate`), else no text and every
-    fusion refused with rule `validation-mismatch`, naming the config and the figure.
+def _validated(name: str, result: BuildResult, refused: dict | None) -> BuildResult:
+    """`result` if its text computes what the original computes (`fusegen.validate`); else the build again with
+    the fusions of one class refused (rule `validation-mismatch`, naming the config and the figure), trying each
+    fused class in turn until the rest validates; else no text and every fusion refused.
 
-    The whole target is refused, not only the class at fault: the analysis already believed every fusion sound,
-    so a mismatch means its reasoning failed somewhere, and a file whose other classes pass is not evidence enough.
+    A retry is itself validated, so what is written has always passed; only a failing build pays for the retries.
     """
     from fusegen import validate
 
@@ -165,6 +175,11 @@ def _validated(result: BuildResult) -> BuildResult:
     if mismatch is None:
         return result
     reason = validate.refusal_reason(mismatch)
+    if not refused:
+        for outcome in (o for o in result.outcomes if o.fused):
+            retry = build(name, refused={outcome.class_name: {plan.merged: reason for plan in outcome.fused}})
+            if retry.text is not None:
+                return retry
     outcomes = [
         ClassOutcome(
             outcome.class_name,

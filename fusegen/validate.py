@@ -32,12 +32,14 @@ import torch
 from torch import nn
 
 TOLERANCE = 1e-5
-"""Max |logit difference| in fp32, the one tolerance the build, the tests, coverage and the benches share.
+"""Max |logit difference| (fp32, logits of order 1), the one tolerance the build, the tests, coverage and the benches
+share. Validation holds logits to it times their scale when that exceeds 1, since rounding is relative.
 
-A merged GEMM computes each output element with the same products as its piece, only blocked differently by the
-BLAS kernel, so results differ by a few ulps of the partial sums; after a few tiny layers that is ~1e-7..1e-6 on
+A merged GEMM computes each output element from the same products as its pieces, only blocked differently by the
+BLAS kernel, so fp32 results differ by a few ulps of the partial sums; after a few tiny layers that is ~1e-7..1e-6 on
 logits of size ~1. 1e-5 leaves headroom for that and is far below any real miscompile (a swapped or mis-sliced
-piece moves logits by 1e-2 and more)."""
+piece moves logits by 1e-1 and more). Validation itself runs in fp64 where the model allows, where the same
+reorderings show at ~1e-16, so its verdicts do not depend on how well a random model is conditioned."""
 
 GRAD_TOLERANCE = 1e-4
 """Max |gradient difference| of one parameter, relative to that parameter's largest |gradient| (fp32).
@@ -148,10 +150,31 @@ def check_config(
 def _compare(check: Check, original_class, fused_class, config, mapping, merging: set[str], full: bool) -> None:
     """`full`: eval, train, and train with gradient checkpointing; else (variants) train mode only, which gives
     logits and gradients at once, or eval when the original does not train."""
+    if _FP32_ONLY.get(original_class) is None:
+        try:
+            return _compare_in(torch.float64, check, original_class, fused_class, config, mapping, merging, full)
+        except _Skip as skip:
+            _FP32_ONLY[original_class] = str(skip)
+    _compare_in(torch.float32, check, original_class, fused_class, config, mapping, merging, full)
+    check.detail = "; ".join(filter(None, [f"in fp32 (fp64: {_FP32_ONLY[original_class]})", check.detail]))
+
+
+_FP32_ONLY: dict[type, str] = {}
+"""Original classes that did not run in fp64, and why: their later configs go straight to fp32."""
+
+
+def _compare_in(dtype, check: Check, original_class, fused_class, config, mapping, merging: set[str], full: bool):
+    """`_compare` with both models in `dtype`.
+
+    fp64 first: a merged GEMM's reordering then shows at ~1e-16, so the tolerances leave no room for doubt even in
+    a model whose random weights amplify rounding chaotically (one shown 4e-4 relative gradient differences in fp32
+    and 3e-19 in fp64), while any real fault still moves results by orders of magnitude more. fp32 when the
+    original does not run in fp64 (a kernel without a double version).
+    """
     from fusegen.coverage import random_input, random_model
 
     try:
-        original = random_model(original_class, config, torch, unit_scale=True)
+        original = random_model(original_class, config, torch, unit_scale=True).to(dtype)
         input_ids = random_input(config, torch)
     except Exception as error:  # noqa: BLE001 - upstream code: the original cannot build this config
         raise _Skip(f"the original does not build: {_short(error)}") from None
@@ -170,7 +193,7 @@ def _compare(check: Check, original_class, fused_class, config, mapping, merging
             check.detail = f"{_WHERE[step]} not compared: the original fails ({_short(error)})"
             return
         if fused is None:
-            fused = _fused_copy(original, fused_class, config, mapping, merging)
+            fused = _fused_copy(original, fused_class, config, mapping, merging, dtype)
         actual = _run(lambda: _step(step, fused, input_ids, expected[2]), _WHERE[step])
         _agree(check, expected, actual, mapping, _WHERE[step])
         if not full:
@@ -189,10 +212,10 @@ def _step(step: str, model, input_ids, kwargs: dict | None = None) -> tuple:
     return logits, grads, None
 
 
-def _fused_copy(original, fused_class, config, mapping, merging: set[str]):
+def _fused_copy(original, fused_class, config, mapping, merging: set[str], dtype):
     """The fused causal LM built from `config` and holding the original's weights (through `mapping`)."""
     try:
-        fused = fused_class(config).to(torch.float32)
+        fused = fused_class(config).to(dtype)
     except Exception as error:  # noqa: BLE001
         raise _Mismatch(f"the fused class does not build: {_short(error)}") from None
     try:
@@ -246,15 +269,15 @@ def _eval_logits(model, input_ids, kwargs: dict | None = None) -> tuple:
     mask = torch.ones_like(input_ids)
     with torch.no_grad():
         if kwargs is not None:
-            return _logits_of(model.eval()(input_ids=input_ids, attention_mask=mask, **kwargs)).float(), kwargs
+            return _logits_of(model.eval()(input_ids=input_ids, attention_mask=mask, **kwargs)).double(), kwargs
         try:
-            return _logits_of(model.eval()(input_ids=input_ids, attention_mask=mask)).float(), {}
+            return _logits_of(model.eval()(input_ids=input_ids, attention_mask=mask)).double(), {}
         except Exception as error:  # noqa: BLE001 - some models fail only in their cache set-up; try once without
             try:
                 output = model(input_ids=input_ids, attention_mask=mask, use_cache=False)
             except Exception:  # noqa: BLE001 - the first failure is the one worth reporting
                 raise error from None
-            return _logits_of(output).float(), {"use_cache": False}
+            return _logits_of(output).double(), {"use_cache": False}
 
 
 def _train_step(model, input_ids, checkpointing: bool):
@@ -271,8 +294,8 @@ def _train_step(model, input_ids, checkpointing: bool):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED + 2)
             output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
-        logits = _logits_of(output).float()
-        cotangent = torch.randn(logits.shape, generator=torch.Generator().manual_seed(SEED + 3))
+        logits = _logits_of(output).double()
+        cotangent = torch.randn(logits.shape, generator=torch.Generator().manual_seed(SEED + 3), dtype=logits.dtype)
         (logits * cotangent).sum().backward()
     finally:
         if checkpointing:
@@ -290,11 +313,14 @@ def _logits_of(output):
 
 
 def _logits_diff(expected, actual, where: str) -> float:
+    """Max |logit difference|; it must stay within `TOLERANCE` times the logits' scale (at least 1), since
+    rounding is relative: logits of order 1, the usual case, are held to `TOLERANCE` itself."""
     if expected.shape != actual.shape:
         raise _Mismatch(f"{where} logits have shape {tuple(actual.shape)}, the original's {tuple(expected.shape)}")
     diff = (expected - actual).abs().max().item()
-    if math.isnan(diff) or diff > TOLERANCE:
-        raise _Mismatch(f"{where} max abs logit diff {diff:.3g} > {TOLERANCE:g}")
+    allowed = TOLERANCE * max(1.0, expected.abs().max().item())
+    if math.isnan(diff) or diff > allowed:
+        raise _Mismatch(f"{where} max abs logit diff {diff:.3g} > {allowed:.3g}")
     return diff
 
 
@@ -324,7 +350,9 @@ def _grad_diff(expected: dict, actual: dict, mapping: dict, where: str) -> float
                 f"> {GRAD_TOLERANCE:g})"
             )
         if not grad.any() and reference.any():
-            raise _Mismatch(f"{where}: {name} gets no gradient in the fused model, {reference.abs().max():.3g} in the original")
+            raise _Mismatch(
+                f"{where}: {name} gets no gradient in the fused model, {reference.abs().max():.3g} in the original"
+            )
         worst = max(worst, relative)
     return worst
 

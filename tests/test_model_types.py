@@ -91,7 +91,9 @@ def test_checked_in_file_matches_under_every_construction_variant(model_type, tm
     config = model_config(target, tiny_config(target.config_class))
     variants = construction_variants(target, config, limit=8)
     assert variants, f"{model_type}: no construction variant found"
-    fused_class = getattr(importlib.import_module(f"generated.fused_{model_type}"), "Fused" + target.causal_lm.__name__)
+    fused_class = getattr(
+        importlib.import_module(f"generated.fused_{model_type}"), "Fused" + target.causal_lm.__name__
+    )
     for label, variant in [("tiny", config), *variants]:
         original = random_model(target.causal_lm, variant, torch, unit_scale=True)
         original.save_pretrained(tmp_path / label)
