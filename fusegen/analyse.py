@@ -87,6 +87,8 @@ def _plain_subplans(instance: nn.Module, plan: FusionPlan) -> list[FusionPlan]:
 
 def _veto_rule(reason: str) -> str:
     """The rule name of a veto found outside the class (see `fusegen.build._vetoes`), from its reason."""
+    if reason.startswith("the fused model does not match the original"):
+        return "validation-mismatch"  # fusegen.validate.refusal_reason
     if "already merged" in reason:
         return "checkpoint-already-fused"
     if "which fusion removes" in reason:

@@ -91,28 +91,44 @@ class BuildResult:
     """The generated module, or None when nothing could be fused."""
     fused_classes: list[type] = field(default_factory=list)
     """The original classes that were rewritten (in analysis order)."""
+    validation: object | None = None
+    """The `fusegen.validate.Validation` of the text, when it was validated."""
 
 
-def analyse(name: str) -> Analysis:
-    """Stages 1-5: every candidate class's outcome, and the rewritten classes."""
+def analyse(name: str, refused: dict[str, dict[str, str]] | None = None) -> Analysis:
+    """Stages 1-5: every candidate class's outcome, and the rewritten classes.
+
+    `refused`: `{class: {merged: reason}}` fusions to refuse whatever the analysis finds (validation's verdicts).
+    """
     target = resolve(name)
     model = instantiate(target)
     found = candidates(model)
-    results = {cls: analyse_class(cls, instance, vars(sys.modules[cls.__module__])) for cls, instance in found.items()}
+    refused = refused or {}
+
+    def run(cls, instance, vetoes=None):
+        return analyse_class(
+            cls, instance, vars(sys.modules[cls.__module__]), {**refused.get(cls.__name__, {}), **(vetoes or {})}
+        )
+
+    results = {cls: run(cls, instance) for cls, instance in found.items()}
     vetoes = _vetoes(model, [outcome for outcome, _ in results.values()])
     while vetoes:
         for cls, instance in found.items():
             if cls.__name__ in vetoes:
-                results[cls] = analyse_class(cls, instance, vars(sys.modules[cls.__module__]), vetoes[cls.__name__])
+                results[cls] = run(cls, instance, vetoes[cls.__name__])
         vetoes = _vetoes(model, [outcome for outcome, _ in results.values()])
     outcomes = [outcome for outcome, _ in results.values()]
     rewritten = {cls: classdef for cls, (_, classdef) in results.items() if classdef is not None}
     return Analysis(target, model, outcomes, rewritten)
 
 
-def build(name: str) -> BuildResult:
-    """The whole pipeline: the generated module's text for target `name`."""
-    analysis = analyse(name)
+def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] | None = None) -> BuildResult:
+    """The whole pipeline: the generated module's text for target `name`.
+
+    `validate=False` skips translation validation (`fusegen.validate`): for tests of the analysis itself, which
+    must see what the analysis alone would emit. `refused`: fusions to refuse up front (see `analyse`).
+    """
+    analysis = analyse(name, refused)
     target, model, outcomes, rewritten = analysis.target, analysis.model, analysis.outcomes, analysis.rewritten
     if not rewritten:
         return BuildResult(target, outcomes, None)
@@ -155,7 +171,43 @@ def build(name: str) -> BuildResult:
         exports=repr(sorted(renames.values())),
         **_tensor_parallel(model, plans, _parents(model, outcomes), _checkpoint_classes(model, target, renames)),
     )
-    return BuildResult(target, outcomes, text, list(rewritten))
+    result = BuildResult(target, outcomes, text, list(rewritten))
+    return _validated(name, result, refused) if validate else result
+
+
+def _validated(name: str, result: BuildResult, refused: dict | None) -> BuildResult:
+    """`result` if its text computes what the original computes (`fusegen.validate`); else the build again with
+    the fusions of one class refused (rule `validation-mismatch`, naming the config and the figure), trying each
+    fused class in turn until the rest validates; else no text and every fusion refused.
+
+    A retry is itself validated, so what is written has always passed; only a failing build pays for the retries.
+    """
+    from fusegen import validate
+
+    try:
+        report = validate.validate(result.target, result.text)
+    except Exception as error:  # noqa: BLE001 - an unvalidated file is not written; say why instead of crashing
+        report = validate.Validation([validate.Check("tiny", "mismatch", f"validation failed: {error!r}"[:500])])
+    result.validation = report
+    mismatch = report.mismatch
+    if mismatch is None:
+        return result
+    reason = validate.refusal_reason(mismatch)
+    if not refused:
+        for outcome in (o for o in result.outcomes if o.fused):
+            retry = build(name, refused={outcome.class_name: {plan.merged: reason for plan in outcome.fused}})
+            if retry.text is not None:
+                return retry
+    outcomes = [
+        ClassOutcome(
+            outcome.class_name,
+            [],
+            outcome.refused + [Refusal(plan.projections, validate.RULE, reason) for plan in outcome.fused],
+            outcome.trace_error,
+        )
+        for outcome in result.outcomes
+    ]
+    return BuildResult(result.target, outcomes, None, [], report)
 
 
 def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:

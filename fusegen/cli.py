@@ -132,6 +132,9 @@ def _build(args, console: Console) -> int:
                 f"{result.target.source}: nothing fused, no file written "
                 f"(`fusegen report {result.target.source}` says why)"
             )
+            for outcome in result.outcomes:  # `report` does not validate: say here what validation refused
+                for refusal in (r for r in outcome.refused if r.rule == "validation-mismatch"):
+                    console.info(f"  {outcome.class_name}: refused {refusal.describe()}")
             continue
         if args.check or args.diff:
             stale = drift(path, result.text)
@@ -147,6 +150,8 @@ def _build(args, console: Console) -> int:
         for outcome in result.outcomes:
             for refusal in outcome.refused:
                 console.detail(f"  {outcome.class_name}: refused {refusal.describe()}")
+        if result.validation is not None:
+            console.detail(f"  validated against the original: {result.validation.describe()}")
     return status
 
 

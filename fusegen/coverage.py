@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-TOLERANCE = 1e-5
-"""Max |logit difference| in fp32; the merged GEMM may only reorder a few floating-point sums."""
+from fusegen.validate import TOLERANCE  # the one logit tolerance (see fusegen/validate.py)
+
 NOISE = 0.05
 SEED = 0
 BATCH, LENGTH = 2, 12
@@ -316,13 +316,23 @@ def unused_fused_classes(original, fused) -> tuple[list[str], list[str]]:
     return unused, unexercised
 
 
-def random_model(model_class, config, torch):
-    """The original class in fp32 eval mode, every parameter drawn from N(0, NOISE) (biases and norms too)."""
+def random_model(model_class, config, torch, unit_scale: bool = False):
+    """The original class in fp32 eval mode, every parameter drawn from N(0, NOISE) (biases and norms too).
+
+    `unit_scale`: draw matrices from N(0, 1/fan_in) and vectors (norm weights, biases) from N(0, 1) instead, so
+    activations and logits stay of order 1 through the layers. With N(0, NOISE) norms shrink every layer's output
+    twentyfold and a real fault (gate and up swapped) can move the logits by as little as 1e-5.
+    """
     torch.manual_seed(SEED)
     model = model_class(config).to(torch.float32).eval()
     with torch.no_grad():
         for parameter in model.parameters():
-            if parameter.is_floating_point():
+            if not parameter.is_floating_point():
+                continue
+            if unit_scale:
+                fan_in = parameter[0].numel() if parameter.dim() > 1 else 1
+                parameter.normal_(0.0, fan_in**-0.5)
+            else:
                 parameter.normal_(0.0, NOISE)
     return model
 

@@ -36,7 +36,7 @@ def rewrite_forward(funcdef: ast.FunctionDef, plan: FusionPlan, module: nn.Modul
             raise Refused("call-in-loop", f"`{ast.unparse(call)}` sits inside a {type(scope).__name__.lower()}", call)
     block, first, last = _dominating_region(funcdef, calls)
     safety.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
-    _splice(funcdef, plan, calls, block, first)
+    _splice(funcdef, plan, calls, block, first, module)
 
 
 def _single_call(funcdef: ast.FunctionDef, name: str) -> ast.Call:
@@ -94,7 +94,14 @@ def _dominating_region(funcdef: ast.FunctionDef, calls: list[ast.Call]) -> tuple
     return block, min(indices), max(indices)
 
 
-def _splice(funcdef: ast.FunctionDef, plan: FusionPlan, calls: list[ast.Call], block: list[ast.stmt], index: int):
+def _splice(
+    funcdef: ast.FunctionDef,
+    plan: FusionPlan,
+    calls: list[ast.Call],
+    block: list[ast.stmt],
+    index: int,
+    module: nn.Module | None = None,
+):
     taken = astutil.all_names(funcdef)
     temps = []
     for name in plan.projections:
@@ -107,3 +114,90 @@ def _splice(funcdef: ast.FunctionDef, plan: FusionPlan, calls: list[ast.Call], b
     block.insert(index, ast.copy_location(statement, block[index]))
     for call, temp in zip(calls, temps):
         astutil.replace_node(funcdef, call, ast.copy_location(ast.Name(temp, ast.Load()), call))
+    _detach_written_pieces(funcdef, temps, block, index, module)
+
+
+REFLECTION = frozenset({"eval", "exec", "locals", "vars", "globals", "setattr", "delattr"})
+"""Calls that can reach any local through the frame or by name: every piece counts as written."""
+
+IN_PLACE_OPERATORS = frozenset(
+    {"iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "ilshift", "irshift", "iand",
+     "ixor", "ior", "iconcat", "setitem", "delitem"}
+)  # fmt: skip
+"""`operator` functions that write their first operand (`operator.imul(g, 2)`)."""
+
+
+def _detach_written_pieces(
+    funcdef: ast.FunctionDef, temps: list[str], block: list[ast.stmt], index: int, module: nn.Module | None
+) -> None:
+    """After the split, give each piece the forward may write in place a storage of its own: `piece = piece.clone()`.
+
+    `split` returns views of one tensor, and autograd refuses to let a view that is one of several outputs of a
+    node be modified in place ("Output 0 of SplitWithSizes is a view and is being modified inplace"), where the
+    original wrote its projection's own fresh output (`g = self.gate_proj(x); g.mul_(0.5)`) and trained fine.
+    Slicing instead of splitting would not help: basic-slice views share their base's version counter, so an
+    in-place write to one piece bumps the version of a sibling autograd saved for backward (`silu(gate) * up`
+    saves `up`) and backward fails.
+
+    Why the clone is exact: its forward is a copy, so every value is bit-identical, and its backward passes the
+    gradient through unchanged, so the gradient reaching the split (and the merged GEMM) is exactly the gradient
+    the original's projection output received. The clone is a new tensor with its own version counter, as the
+    original projection's output was, so in-place writes to it behave exactly as in the original.
+
+    Which pieces: those whose possible aliases (`safety.aliases`, seeded with the piece's temporary, over the
+    whole forward) are written by an in-place method or function, an augmented assignment, an item or attribute
+    store, `out=`/`inplace=`, an in-place `operator` function, a call of an alias itself (a bound in-place
+    method: `op = g.mul_; op(2)`), or anything at all when the forward uses reflection (`eval`, `locals`, ...).
+    Every test is on names, so a false alarm costs one copy of that piece; a miss is never silent: autograd
+    raises on the write in training, and in inference the write lands in the piece's own disjoint slice of the
+    merged output, which nothing else reads. Build-time validation runs the forward under autograd too.
+    Unwritten pieces keep the plain split, so models that write no projection output in place pay nothing.
+    """
+    reflective = any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in REFLECTION
+        for node in ast.walk(funcdef)
+    )
+    written = [
+        temp for temp in temps if reflective or _written_in_place(funcdef, safety.aliases(funcdef, {temp}, module))
+    ]
+    for offset, temp in enumerate(written, start=1):
+        clone = ast.parse(f"{temp} = {temp}.clone()").body[0]
+        block.insert(index + offset, ast.copy_location(clone, block[index]))
+
+
+def _written_in_place(funcdef: ast.FunctionDef, tracked: set[str]) -> bool:
+    """Does anything in `funcdef` possibly write a tensor named in `tracked` in place? (See `_detach_written_pieces`.)"""
+
+    def mentions(node: ast.AST | None) -> bool:
+        return node is not None and any(isinstance(n, ast.Name) and n.id in tracked for n in ast.walk(node))
+
+    for node in ast.walk(funcdef):
+        if isinstance(node, ast.AugAssign) and mentions(node.target):
+            return True
+        if isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            if mentions(node.value):
+                return True
+        if isinstance(node, ast.Call) and _call_writes(node, mentions):
+            return True
+    return False
+
+
+def _call_writes(call: ast.Call, mentions) -> bool:
+    """Could `call` write a tracked tensor in place?"""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    operands = [*call.args, *(keyword.value for keyword in call.keywords)]
+    in_place = (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_OPERATORS
+    if isinstance(func, ast.Attribute) and mentions(func.value) and (in_place or name.startswith("__")):
+        return True  # `g.mul_(2)`, `g.__imul__(2)`, `g.__setitem__(0, 1)`
+    if not isinstance(func, ast.Attribute) and mentions(func):
+        return True  # a callee computed from the piece: `op = g.mul_; op(2)`, `getattr(g, "mul_")(2)`
+    if in_place and any(mentions(operand) for operand in operands):
+        return True  # `torch.relu_(g)`, `operator.imul(g, 2)`
+    for keyword in call.keywords:
+        if keyword.arg == "out" and mentions(keyword.value):
+            return True
+        is_false = isinstance(keyword.value, ast.Constant) and keyword.value.value is False
+        if keyword.arg == "inplace" and not is_false and any(mentions(operand) for operand in operands):
+            return True
+    return False

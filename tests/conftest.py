@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from fusegen.validate import GRAD_TOLERANCE, TOLERANCE  # noqa: F401 - the one tolerance pair tests share
+
 TINY = {
     "vocab_size": 128,
     "hidden_size": 64,

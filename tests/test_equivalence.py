@@ -9,14 +9,13 @@ from transformers.utils import logging as hf_logging
 
 from generated.fused_llama import FusedLlamaForCausalLM
 from generated.fused_qwen2 import FusedQwen2ForCausalLM
-from tests.conftest import tiny_config
+from tests.conftest import TOLERANCE, tiny_config
 
 MODELS = {
     "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
 }
 HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
-TOLERANCE = 1e-5
 
 
 def load_pair(checkpoint, model_type, kv_heads, attn, **config_overrides):

@@ -1,0 +1,110 @@
+"""What build-time translation validation costs, and what it checked (not a test; prints its figures).
+
+    python bench/validation.py [--rounds 5]
+
+1. `fusegen -q build llama qwen2` (validated, as users run it) against the import floor (importing the two
+   modeling modules) and against the same pipeline with validation off (`build(name, validate=False)`), each a
+   fresh process, interleaved A B C A B C ..., medians.
+2. In this process: the seconds `fusegen.validate.validate` takes per target, median of 3, and what each check
+   found (max abs logit difference, max relative gradient difference, eval/train/gradient checkpointing).
+3. The construction variants found for every checked-in generated file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FLOOR = "import transformers.models.llama.modeling_llama, transformers.models.qwen2.modeling_qwen2"
+UNVALIDATED = "from fusegen.build import build\nfor name in ('llama', 'qwen2'):\n    build(name, validate=False)"
+
+
+def timed(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, cwd=ROOT, capture_output=True)
+    return time.perf_counter() - start
+
+
+def build_cost(rounds: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="fusegen-bench-validation-") as out:
+        commands = {
+            "fusegen -q build llama qwen2 (validated)": [
+                sys.executable, "-m", "fusegen", "-q", "build", "llama", "qwen2", "--output-dir", out,
+            ],
+            "same pipeline, validate=False": [sys.executable, "-c", UNVALIDATED],
+            "import floor": [sys.executable, "-c", FLOOR],
+        }  # fmt: skip
+        for command in commands.values():  # warm the page cache once
+            timed(command)
+        samples: dict[str, list[float]] = {label: [] for label in commands}
+        for _ in range(rounds):
+            for label, command in commands.items():
+                samples[label].append(timed(command))
+    medians = {label: statistics.median(values) for label, values in samples.items()}
+    floor = medians["import floor"]
+    print(f"## build cost: {rounds} interleaved rounds, fresh processes, medians")
+    for label, value in medians.items():
+        runs = ", ".join(f"{v:.2f}" for v in samples[label])
+        print(f"{label:45s} {value:6.2f} s  ({value / floor:.2f}x the import floor; runs {runs})")
+    print(
+        f"validation's share: {medians['fusegen -q build llama qwen2 (validated)'] - medians['same pipeline, validate=False']:.2f} s"
+    )
+
+
+def in_process() -> None:
+    from fusegen.build import build
+    from fusegen.validate import validate
+
+    print("\n## validate() in process, per target (median of 3), and its checks")
+    for name in ("llama", "qwen2"):
+        result = build(name, validate=False)
+        seconds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            report = validate(result.target, result.text)
+            seconds.append(time.perf_counter() - start)
+        print(f"{name}: {statistics.median(seconds):.3f} s")
+        for check in report.checks:
+            print(
+                f"  {check.config:28s} {check.status:8s} logits diff {check.logits_diff:.1e}  "
+                f"grad diff (relative) {check.grad_diff:.1e}  {check.detail}"
+            )
+
+
+def variants() -> None:
+    import generated
+    from fusegen.coverage import model_config
+    from fusegen.resolve import resolve
+    from fusegen.shrink import tiny_config
+    from fusegen.validate import construction_variants
+
+    print("\n## construction variants per checked-in file (the build validates the first 4; the test up to 8)")
+    for path in sorted(Path(generated.__file__).parent.glob("fused_*.py")):
+        target = resolve(path.stem.removeprefix("fused_"))
+        config = model_config(target, tiny_config(target.config_class))
+        print(
+            f"{target.model_type}: {', '.join(label for label, _ in construction_variants(target, config, limit=8))}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    build_cost(args.rounds)
+    in_process()
+    variants()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,608 @@
+"""Stage 7b: translation validation. Before a generated file is written, run it against its original.
+
+The analysis argues that each fusion is sound; this stage checks the result by executing it. The generated text is
+imported in memory, and its fused causal LM is compared with the original causal LM:
+
+- on a tiny config (`fusegen/shrink.py`) and on a few *construction variants* of it: configs with one boolean or
+  optional field flipped that change what `__init__` builds (found generically by `construction_variants`);
+- with every parameter of the original randomised (biases and norms too, so a mis-sliced bias shows) and mapped
+  into the fused model in memory through the file's own `STACKED_PARAMS_MAPPING` (pieces concatenated in row order),
+  so a wrong row order or a wrong piece shows as a mismatch rather than hiding behind the runtime's loader;
+- in eval mode (logits) and in train mode (logits, and every parameter's gradient: a merged weight's gradient must
+  equal its pieces' gradients concatenated), with dropout seeded identically, and once more with gradient
+  checkpointing on the tiny config.
+
+Logits must agree within `TOLERANCE` and gradients within `GRAD_TOLERANCE`; anything else (a difference, a fused
+model that fails where the original runs, a tensor that maps nowhere) is a `validation-mismatch` with the figure.
+A config the ORIGINAL cannot build or run is skipped and recorded, never counted as a pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import math
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+TOLERANCE = 1e-5
+"""Max |logit difference| (fp32, logits of order 1), the one tolerance the build, the tests, coverage and the benches
+share. Validation holds logits to it times their scale when that exceeds 1, since rounding is relative.
+
+A merged GEMM computes each output element from the same products as its pieces, only blocked differently by the
+BLAS kernel, so fp32 results differ by a few ulps of the partial sums; after a few tiny layers that is ~1e-7..1e-6 on
+logits of size ~1. 1e-5 leaves headroom for that and is far below any real miscompile (a swapped or mis-sliced
+piece moves logits by 1e-1 and more). Validation itself runs in fp64 where the model allows, where the same
+reorderings show at ~1e-16, so its verdicts do not depend on how well a random model is conditioned."""
+
+GRAD_TOLERANCE = 1e-4
+"""Max |gradient difference| of one parameter, relative to that parameter's largest |gradient| (fp32).
+
+Backward adds one more source of reordering that forward does not have: the input gradient of a merged linear is one
+GEMM over all pieces' rows (`dY_merged @ W_merged`), where the original sums the pieces' GEMMs (`dY_q @ W_q + ...`)
+in autograd's order. Each is a sum of the same ~hidden-size products, rounded at fp32 (eps 1.2e-7) in a different
+order, then propagated back through the layers: relative differences of ~1e-6, bounded well below 1e-4 at the tiny
+configs' widths. A mis-mapped weight gradient differs by O(1) relative."""
+
+MAX_VARIANTS = 4
+"""At most this many construction variants per target besides the tiny config, to keep the build fast."""
+SEED = 0
+RULE = "validation-mismatch"
+
+
+@dataclass
+class Check:
+    """One config's outcome."""
+
+    config: str
+    """`tiny` or the variant, `attention_bias=True`."""
+    status: str
+    """`passed`, `mismatch` or `skipped` (the original itself cannot build or run this config)."""
+    detail: str = ""
+    logits_diff: float | None = None
+    grad_diff: float | None = None
+    """Largest gradient difference relative to its parameter's largest |gradient|."""
+
+
+@dataclass
+class Validation:
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def mismatch(self) -> Check | None:
+        return next((check for check in self.checks if check.status == "mismatch"), None)
+
+    def describe(self) -> str:
+        return "; ".join(f"{c.config}: {c.status}{f' ({c.detail})' if c.detail else ''}" for c in self.checks)
+
+
+class _Mismatch(Exception):
+    """The fused model disagrees with, or fails where, the original runs."""
+
+
+class _Skip(Exception):
+    """The original itself cannot be built or run under this config."""
+
+
+# --- entry point -----------------------------------------------------------------------------------------------------
+
+
+def validate(target, text: str) -> Validation:
+    """Run the generated module `text` of `target` against its original; see the module docstring."""
+    validation = Validation()
+    try:
+        _validate_into(validation, target, text)
+    except _Mismatch as mismatch:
+        validation.checks.append(Check("tiny", "mismatch", str(mismatch)))
+    return validation
+
+
+def _validate_into(validation: Validation, target, text: str) -> None:
+    from fusegen.coverage import model_config
+    from fusegen.shrink import ShrinkError, tiny_config
+
+    with _quiet(), _isolated(text, target) as module:
+        fused_class = getattr(module, "Fused" + target.causal_lm.__name__, None)
+        mapping = getattr(module, "STACKED_PARAMS_MAPPING", None)
+        if fused_class is None or mapping is None:
+            raise _Mismatch("the generated module lacks its causal LM or its STACKED_PARAMS_MAPPING")
+        try:
+            config = model_config(target, tiny_config(target.config_class))
+        except ShrinkError as error:
+            validation.checks.append(Check("tiny", "skipped", f"no tiny config: {_first_line(error)}"))
+            return
+        merging = merging_classes(text)
+        validation.checks.append(check_config("tiny", target.causal_lm, fused_class, config, mapping, merging, True))
+        for label, variant in construction_variants(target, config):
+            if validation.mismatch is not None:
+                break  # one mismatch refuses the target; the rest would only cost time
+            validation.checks.append(check_config(label, target.causal_lm, fused_class, variant, mapping, merging))
+
+
+def refusal_reason(check: Check) -> str:
+    """The reason text of a `validation-mismatch` refusal: which config, what differed, by how much."""
+    return f"the fused model does not match the original under the {check.config} config: {check.detail}"
+
+
+# --- one config ------------------------------------------------------------------------------------------------------
+
+
+def check_config(
+    label: str, original_class, fused_class, config, mapping, merging: set[str], full: bool = False
+) -> Check:
+    """Original vs fused on `config`: logits and gradients (see `_compare`); `skipped` when the original fails."""
+    check = Check(label, "passed")
+    try:
+        _compare(check, original_class, fused_class, config, mapping, merging, full)
+    except _Skip as skip:
+        check.status, check.detail = "skipped", str(skip)
+    except _Mismatch as mismatch:
+        check.status, check.detail = "mismatch", str(mismatch)
+    return check
+
+
+def _compare(check: Check, original_class, fused_class, config, mapping, merging: set[str], full: bool) -> None:
+    """`full`: eval, train, and train with gradient checkpointing; else (variants) train mode only, which gives
+    logits and gradients at once, or eval when the original does not train."""
+    if _FP32_ONLY.get(original_class) is None:
+        try:
+            return _compare_in(torch.float64, check, original_class, fused_class, config, mapping, merging, full)
+        except _Skip as skip:
+            _FP32_ONLY[original_class] = str(skip)
+    _compare_in(torch.float32, check, original_class, fused_class, config, mapping, merging, full)
+    check.detail = "; ".join(filter(None, [f"in fp32 (fp64: {_FP32_ONLY[original_class]})", check.detail]))
+
+
+_FP32_ONLY: dict[type, str] = {}
+"""Original classes that did not run in fp64, and why: their later configs go straight to fp32."""
+
+
+def _compare_in(dtype, check: Check, original_class, fused_class, config, mapping, merging: set[str], full: bool):
+    """`_compare` with both models in `dtype`.
+
+    fp64 first: a merged GEMM's reordering then shows at ~1e-16, so the tolerances leave no room for doubt even in
+    a model whose random weights amplify rounding chaotically (one shown 4e-4 relative gradient differences in fp32
+    and 3e-19 in fp64), while any real fault still moves results by orders of magnitude more. fp32 when the
+    original does not run in fp64 (a kernel without a double version).
+    """
+    from fusegen.coverage import random_input, random_model
+
+    try:
+        original = random_model(original_class, config, torch, unit_scale=True).to(dtype)
+        input_ids = random_input(config, torch)
+    except Exception as error:  # noqa: BLE001 - upstream code: the original cannot build this config
+        raise _Skip(f"the original does not build: {_short(error)}") from None
+    fused = None
+    steps = ["eval", "train", "checkpointing"] if full else ["train", "eval"]
+    for step in steps:
+        if step == "checkpointing" and not original.supports_gradient_checkpointing:
+            continue
+        try:
+            expected = _step(step, original, input_ids)
+        except Exception as error:  # noqa: BLE001 - the original cannot run this step: nothing to hold the fused to
+            if step == "eval" or (step == "train" and not full):
+                if step == "eval":
+                    raise _Skip(f"the original does not run: {_short(error)}") from None
+                continue  # variants fall back to eval
+            check.detail = f"{_WHERE[step]} not compared: the original fails ({_short(error)})"
+            return
+        if fused is None:
+            fused = _fused_copy(original, fused_class, config, mapping, merging, dtype)
+        actual = _run(lambda: _step(step, fused, input_ids, expected[2]), _WHERE[step])
+        _agree(check, expected, actual, mapping, _WHERE[step])
+        if not full:
+            return
+
+
+_WHERE = {"eval": "eval", "train": "train mode", "checkpointing": "train mode with gradient checkpointing"}
+
+
+def _step(step: str, model, input_ids, kwargs: dict | None = None) -> tuple:
+    """`(logits, gradients or None, eval arguments or None)` of one eval step or one train step."""
+    if step == "eval":
+        logits, used = _eval_logits(model, input_ids, kwargs)
+        return logits, None, used
+    logits, grads = _train_step(model, input_ids, checkpointing=step == "checkpointing")
+    return logits, grads, None
+
+
+def _fused_copy(original, fused_class, config, mapping, merging: set[str], dtype):
+    """The fused causal LM built from `config` and holding the original's weights (through `mapping`)."""
+    try:
+        fused = fused_class(config).to(dtype)
+    except Exception as error:  # noqa: BLE001
+        raise _Mismatch(f"the fused class does not build: {_short(error)}") from None
+    try:
+        fused.load_state_dict(map_state(original, fused, mapping), strict=True)
+    except RuntimeError as error:  # a mapped tensor of the wrong shape
+        raise _Mismatch(f"the original's weights do not fit the fused model: {_first_line(error)}") from None
+    unused = _unused(original, fused, merging)
+    if unused:
+        raise _Mismatch(f"the fused model never builds {', '.join(unused)}, though the original builds its original")
+    return fused
+
+
+def _agree(check: Check, expected, actual, mapping, where: str) -> None:
+    """Record the differences of one step, or raise `_Mismatch` when they exceed the tolerances."""
+    (expected_logits, expected_grads, _), (actual_logits, actual_grads, _) = expected, actual
+    diff = _logits_diff(expected_logits, actual_logits, where)
+    check.logits_diff = diff if check.logits_diff is None else max(check.logits_diff, diff)
+    if expected_grads is not None:
+        grad = _grad_diff(expected_grads, actual_grads, mapping, where)
+        check.grad_diff = grad if check.grad_diff is None else max(check.grad_diff, grad)
+
+
+def merging_classes(text: str) -> set[str]:
+    """Names of the generated classes that construct a merged linear (read off the text, no `inspect`)."""
+    chunks = re.split(r"^class (\w+)\b", text, flags=re.MULTILINE)
+    return {name for name, body in zip(chunks[1::2], chunks[2::2]) if "MergedColumnLinear(" in body}
+
+
+def _unused(original: nn.Module, fused: nn.Module, merging: set[str]) -> list[str]:
+    """Merging fused classes the fused model never builds although the original builds their original.
+
+    Logits cannot show this fault: the fused model would silently run the original class there.
+    """
+    from fusegen.propagate import PREFIX
+
+    built = {type(module).__name__ for module in fused.modules()}
+    originals = {type(module).__name__ for module in original.modules()}
+    return sorted(name for name in merging if name.removeprefix(PREFIX) in originals and name not in built)
+
+
+def _run(step, where: str):
+    try:
+        return step()
+    except Exception as error:  # noqa: BLE001 - the original ran this; the fused model must too
+        raise _Mismatch(f"fused {where} fails where the original runs: {_short(error)}") from None
+
+
+def _eval_logits(model, input_ids, kwargs: dict | None = None) -> tuple:
+    """`(logits, kwargs)` in eval mode. With `kwargs` None (the original): with the model's cache, else once without
+    it when only the cache set-up fails; the fused model is then run with exactly the arguments the original took."""
+    mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        if kwargs is not None:
+            return _logits_of(model.eval()(input_ids=input_ids, attention_mask=mask, **kwargs)).double(), kwargs
+        try:
+            return _logits_of(model.eval()(input_ids=input_ids, attention_mask=mask)).double(), {}
+        except Exception as error:  # noqa: BLE001 - some models fail only in their cache set-up; try once without
+            try:
+                output = model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+            except Exception:  # noqa: BLE001 - the first failure is the one worth reporting
+                raise error from None
+            return _logits_of(output).double(), {"use_cache": False}
+
+
+def _train_step(model, input_ids, checkpointing: bool):
+    """Logits and `{parameter name: gradient}` of one train-mode step, dropout seeded the same for every model.
+
+    The loss is the logits against a fixed random cotangent, so every logit contributes a gradient and no label
+    handling (which some models lack) is involved.
+    """
+    model.train()
+    model.zero_grad(set_to_none=True)
+    if checkpointing:
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED + 2)
+            output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+        logits = _logits_of(output).double()
+        cotangent = torch.randn(logits.shape, generator=torch.Generator().manual_seed(SEED + 3), dtype=logits.dtype)
+        (logits * cotangent).sum().backward()
+    finally:
+        if checkpointing:
+            getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+        model.eval()
+    grads = {
+        name: p.grad if p.grad is not None else torch.zeros_like(p)
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
+    return logits.detach(), grads
+
+
+def _logits_of(output):
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+def _logits_diff(expected, actual, where: str) -> float:
+    """Max |logit difference|; it must stay within `TOLERANCE` times the logits' scale (at least 1), since
+    rounding is relative: logits of order 1, the usual case, are held to `TOLERANCE` itself."""
+    if expected.shape != actual.shape:
+        raise _Mismatch(f"{where} logits have shape {tuple(actual.shape)}, the original's {tuple(expected.shape)}")
+    diff = (expected - actual).abs().max().item()
+    allowed = TOLERANCE * max(1.0, expected.abs().max().item())
+    if math.isnan(diff) or diff > allowed:
+        raise _Mismatch(f"{where} max abs logit diff {diff:.3g} > {allowed:.3g}")
+    return diff
+
+
+def _grad_diff(expected: dict, actual: dict, mapping: dict, where: str) -> float:
+    """Largest gradient difference over the fused model's parameters (merged ones against their pieces), relative
+    to the largest |gradient| of any parameter of the original; see `GRAD_TOLERANCE`.
+
+    Measured against the model-wide scale rather than each tensor's own: a router's or a norm's gradient can cancel
+    to almost nothing (1e-8 where others are 1e-2), and its rounding noise is relative to the terms that cancelled,
+    not to the result. A gradient that vanishes altogether in the fused model where the original's does not (a
+    path autograd no longer sees) is a mismatch at any size.
+    """
+    references = {name: _mapped(name, expected, mapping) for name in actual}
+    scale = max((r.abs().max().item() for r in references.values() if r is not None and r.numel()), default=0.0)
+    worst = 0.0
+    for name, grad in actual.items():
+        reference = references[name]
+        if reference is None or grad.shape != reference.shape:
+            raise _Mismatch(f"{where}: the gradient of {name} has no counterpart of its shape in the original")
+        if not grad.numel():
+            continue
+        diff = (grad - reference).abs().max().item()
+        relative = diff / scale if scale > 0 else (math.inf if diff > 0 else 0.0)
+        if math.isnan(diff) or relative > GRAD_TOLERANCE:
+            raise _Mismatch(
+                f"{where}: gradient of {name} differs by {diff:.3g} ({relative:.3g} of the largest gradient "
+                f"> {GRAD_TOLERANCE:g})"
+            )
+        if not grad.any() and reference.any():
+            raise _Mismatch(
+                f"{where}: {name} gets no gradient in the fused model, {reference.abs().max():.3g} in the original"
+            )
+        worst = max(worst, relative)
+    return worst
+
+
+# --- weights through the stacked mapping ------------------------------------------------------------------------------
+
+
+def map_state(original: nn.Module, fused: nn.Module, mapping: dict) -> dict[str, torch.Tensor]:
+    """The fused model's state dict filled from the original's: same names copied, merged ones concatenated.
+
+    Raises `_Mismatch` naming the tensor when a fused tensor has no source or an original tensor is left unused.
+    """
+    source = original.state_dict()
+    used: set[str] = set()
+    state = {}
+    for name in fused.state_dict():
+        state[name] = _mapped(name, source, mapping, used)
+        if state[name] is None:
+            raise _Mismatch(f"fused tensor {name} has no counterpart in the original")
+    left = sorted(set(source) - used)
+    if left:
+        raise _Mismatch(f"original tensors map nowhere in the fused model: {', '.join(left[:4])}")
+    return state
+
+
+def _mapped(name: str, source: dict, mapping: dict, used: set | None = None):
+    """`source[name]`, or for `<path>.<merged>.<tensor>` its pieces' tensors concatenated in mapping order."""
+    if name in source:
+        if used is not None:
+            used.add(name)
+        return source[name]
+    path, _, tensor = name.rpartition(".")
+    parent, _, merged = path.rpartition(".")
+    if merged not in mapping:
+        return None
+    prefix = f"{parent}." if parent else ""
+    names = [f"{prefix}{piece}.{tensor}" for piece, _ in mapping[merged]]
+    if not all(piece in source for piece in names):
+        return None
+    if used is not None:
+        used.update(names)
+    return torch.cat([source[piece] for piece in names], dim=0)
+
+
+# --- construction variants -------------------------------------------------------------------------------------------
+
+
+def construction_variants(target, config, limit: int = MAX_VARIANTS) -> list[tuple[str, object]]:
+    """Up to `limit` configs, each `config` with one field changed, that build a differently structured model.
+
+    Candidates (`candidate_changes`) are booleans flipped, optional fields set to None or to a small value,
+    per-layer kind lists made uniform, layer index lists emptied or filled, layer-structure counters moved,
+    and MQA for the kv-head count. Each is built on `meta` and kept only if its module tree differs from the
+    tiny config's and from every variant kept so far (module types and paths, parameter names and shapes, tying);
+    one whose config or model does not build is dropped. A false alarm costs one more check, a miss one less.
+    """
+    from fusegen.coverage import model_config
+    from fusegen.shrink import tiny_config
+
+    seen = {_structure(target, config)}
+    variants = []
+    read = _source_words(target)
+    for name, value in candidate_changes(config):
+        if len(variants) >= limit:
+            break
+        if name not in read and name != "tie_word_embeddings":
+            continue  # the modeling code never names it, so its classes cannot build differently on it
+        try:
+            variant = model_config(target, tiny_config(config, **{name: value}))
+            if getattr(variant, name, value) != value and not isinstance(value, list):
+                continue  # the config re-derived the field: not the variant asked for
+            structure = _structure(target, variant)
+        except Exception:  # noqa: BLE001 - a variant the config or the model rejects is not a variant
+            continue
+        if structure not in seen:
+            seen.add(structure)
+            variants.append((f"{name}={_short_value(value)}", variant))
+    return variants
+
+
+_COUNTERS = re.compile(
+    r"^(first_k_dense_replace|num_dense_layers|moe_layer_start_index|decoder_sparse_step|moe_layer_interval"
+    r"|interleave_moe_layer_step|expert_layer_period|expert_layer_offset|attn_layer_period|attn_layer_offset"
+    r"|sliding_window_pattern|global_attn_every_n_layers|no_rope_layer_interval)$"
+)
+"""Integer fields that say which layers are of which kind (dense/MoE, sliding/full): moved within the layer count."""
+_KV_HEADS = re.compile(r"^(num_key_value_heads|num_kv_heads|n_kv_heads|multi_query_group_num|num_query_groups)$")
+
+
+def candidate_changes(config) -> list[tuple[str, object]]:
+    """`(field, new value)` pairs worth probing, booleans first; see `construction_variants`."""
+    from transformers import PreTrainedConfig
+
+    base = {f.name for f in dataclasses.fields(PreTrainedConfig)} - {"tie_word_embeddings"}
+    hints = _type_hints(type(config))
+    layers = getattr(config, "num_hidden_layers", None)
+    booleans, optional, lists, counters = [], [], [], []
+    for item in dataclasses.fields(type(config)) if dataclasses.is_dataclass(config) else []:
+        name = item.name
+        if name in base or name.startswith("_"):
+            continue
+        try:
+            value, hint = getattr(config, name), hints.get(name, "")
+        except Exception:  # noqa: BLE001 - a field its config refuses to read globally (per-layer values)
+            continue
+        if isinstance(value, bool):
+            booleans.append((name, not value))
+        elif value is None and "int" in hint:
+            optional.append((name, _small_int(name)))
+        elif value is None and "bool" in hint:
+            optional.append((name, True))
+        elif value is not None and "None" in hint and not isinstance(value, (dict, str, float)):
+            optional.append((name, None))
+        if isinstance(value, (list, tuple)) and value and isinstance(layers, int) and len(value) == layers:
+            kinds = list(dict.fromkeys(v for v in value if isinstance(v, str)))
+            if len(kinds) > 1:
+                lists += [(name, [kind] * layers) for kind in kinds]
+        elif isinstance(value, (list, tuple)) and name.endswith("layers") and isinstance(layers, int):
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                lists.append((name, [] if value else [0]))
+        if isinstance(value, int) and not isinstance(value, bool) and isinstance(layers, int):
+            if _COUNTERS.match(name):
+                counters += [(name, new) for new in range(0, min(layers, 2) + 1) if new != value]
+            elif _KV_HEADS.match(name) and value > 1:
+                counters.append((name, 1))
+    return booleans + optional + lists + counters
+
+
+def _type_hints(cls) -> dict[str, str]:
+    """Each field's annotation as text (`int | None`); unresolvable annotations count as unknown."""
+    try:
+        return {name: str(hint) for name, hint in typing.get_type_hints(cls).items()}
+    except Exception:  # noqa: BLE001 - forward references a config module never imports
+        return {name: str(hint) for name, hint in getattr(cls, "__annotations__", {}).items()}
+
+
+def _small_int(name: str) -> int:
+    """A value for an unset integer field: what `fusegen.shrink` would make of a large one, else 2."""
+    from fusegen.shrink import _rule_for
+
+    rule = _rule_for(name)
+    return rule(1 << 20) if callable(rule) else 2
+
+
+def _source_words(target) -> set[str]:
+    """Every identifier and string in the modeling module's source: the config fields it can read by name."""
+    import inspect
+
+    try:
+        source = inspect.getsource(target.module)
+    except (OSError, TypeError):
+        return _EVERYTHING
+    return set(re.findall(r"\w+", source))
+
+
+class _Everything(set):
+    def __contains__(self, item) -> bool:
+        return True
+
+
+_EVERYTHING = _Everything()
+
+
+def _structure(target, config) -> tuple:
+    """What `__init__` built, on `meta`: module paths and types, parameter names and shapes (tied ones once)."""
+    with torch.device("meta"):
+        model = target.causal_lm(config)
+    modules = tuple((name, type(module).__name__) for name, module in model.named_modules())
+    return modules + tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+
+
+def _short_value(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --- running the generated text --------------------------------------------------------------------------------------
+
+
+class _isolated:
+    """Import `text` as a module for the duration of the block, then undo every trace of it.
+
+    Undone: the module's `sys.modules` entry and its source in `linecache`, the checkpoint conversions it registers
+    in Transformers at import time (so a build never changes how later loads behave), the RNG state, and the
+    thread count (one thread: tiny models run faster without the pool, and the machine is shared).
+    """
+
+    def __init__(self, text: str, target):
+        self.text = text
+        self.model_type = target.model_type
+        self.name = f"fusegen_validating_{target.model_type}_{id(self):x}"
+
+    def __enter__(self) -> types.ModuleType:
+        from transformers import conversion_mapping
+
+        conversion_mapping.get_checkpoint_conversion_mapping("llama")  # builds the cache, so it can be restored
+        self.saved_cache = dict(conversion_mapping._checkpoint_conversion_mapping_cache)
+        self.saved_user = set(conversion_mapping.USER_REGISTERED_MAPPINGS)
+        self.rng = torch.random.get_rng_state()
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        filename = f"<fusegen-validation>/{self.name}/fused_{self.model_type}.py"
+        linecache.cache[filename] = (len(self.text), None, self.text.splitlines(keepends=True), filename)
+        module = types.ModuleType(self.name)
+        module.__file__ = filename
+        sys.modules[self.name] = module
+        self.filename = filename
+        try:
+            exec(compile(self.text, filename, "exec"), module.__dict__)  # noqa: S102 - the text we just generated
+        except BaseException as error:
+            self.__exit__(None, None, None)
+            raise _Mismatch(f"the generated module does not import: {_short(error)}") from None
+        return module
+
+    def __exit__(self, *exc) -> None:
+        from transformers import conversion_mapping
+
+        cache = conversion_mapping._checkpoint_conversion_mapping_cache
+        cache.clear()
+        cache.update(self.saved_cache)
+        conversion_mapping.USER_REGISTERED_MAPPINGS.clear()
+        conversion_mapping.USER_REGISTERED_MAPPINGS.update(self.saved_user)
+        sys.modules.pop(self.name, None)
+        linecache.cache.pop(self.filename, None)
+        torch.random.set_rng_state(self.rng)
+        torch.set_num_threads(self.threads)
+
+
+class _quiet:
+    """Transformers' warnings off while validating (train mode on tiny models triggers several)."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self.level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(self.level)
+
+
+def _first_line(error: BaseException) -> str:
+    from fusegen.coverage import _first_line as first_line
+
+    return first_line(error)
+
+
+def _short(error: BaseException) -> str:
+    from fusegen.coverage import _short as short
+
+    return short(error)
