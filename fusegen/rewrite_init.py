@@ -8,6 +8,10 @@ expressions, so one generated class serves every config of the model:
         [config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim, ...],
         bias=config.attention_bias,
     )
+    self.qkv_proj_sizes = self.qkv_proj.output_sizes
+
+The second line keeps the split sizes on the owning module, where the rewritten
+forward reads them (see `sizes_attribute`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,18 @@ MERGED_LINEAR = "MergedColumnLinear"
 """The runtime class the merged constructor calls (imported from `fusegen.runtime`)."""
 
 _LINEAR_SIGNATURE = inspect.signature(nn.Linear.__init__)
+
+
+def sizes_attribute(merged: str) -> str:
+    """The owner's attribute holding the merged linear's split sizes, e.g. `qkv_proj_sizes`.
+
+    The forward splits by `self.qkv_proj_sizes`, not `self.qkv_proj.output_sizes`: a wrapper
+    that replaces the merged linear (a PEFT LoRA layer, a quantizer's linear) hides
+    `output_sizes`, but never touches its owner. The attribute is the merged linear's own
+    list object, so code that re-partitions the linear in place (tensor parallelism)
+    updates both at once.
+    """
+    return f"{merged}_sizes"
 
 
 def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) -> None:
@@ -54,6 +70,8 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
         astutil.replace_node(merged, node, fills[node.id])
     last = block[positions[-1]]
     block[positions[-1]] = ast.copy_location(merged, last)
+    sizes = ast.parse(f"self.{sizes_attribute(plan.merged)} = self.{plan.merged}.output_sizes").body[0]
+    block.insert(positions[-1] + 1, ast.copy_location(sizes, last))
     for assign in assigns:
         if assign is not last:
             block.remove(assign)
