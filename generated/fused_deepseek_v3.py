@@ -70,11 +70,12 @@ class FusedDeepseekV3MLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(
             self.hidden_size, [self.intermediate_size, self.intermediate_size], bias=False
         )
+        self.gate_up_proj_sizes = self.gate_up_proj.output_sizes
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
-        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(self.gate_up_proj.output_sizes, dim=-1)
+        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(self.gate_up_proj_sizes, dim=-1)
         down_proj = self.down_proj(self.act_fn(gate_proj_out) * up_proj_out)
         return down_proj
 

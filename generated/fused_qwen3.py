@@ -74,11 +74,12 @@ class FusedQwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(
             self.hidden_size, [self.intermediate_size, self.intermediate_size], bias=False
         )
+        self.gate_up_proj_sizes = self.gate_up_proj.output_sizes
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
-        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(self.gate_up_proj.output_sizes, dim=-1)
+        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(self.gate_up_proj_sizes, dim=-1)
         down_proj = self.down_proj(self.act_fn(gate_proj_out) * up_proj_out)
         return down_proj
 
@@ -106,6 +107,7 @@ class FusedQwen3Attention(nn.Module):
             ],
             bias=config.attention_bias,
         )
+        self.qkv_proj_sizes = self.qkv_proj.output_sizes
         self.o_proj = nn.Linear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
@@ -124,7 +126,7 @@ class FusedQwen3Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
+        q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(self.qkv_proj_sizes, dim=-1)
         query_states = self.q_norm(q_proj_out.view(hidden_shape)).transpose(1, 2)
         key_states = self.k_norm(k_proj_out.view(hidden_shape)).transpose(1, 2)
         value_states = v_proj_out.view(hidden_shape).transpose(1, 2)

@@ -92,6 +92,7 @@ class FusedQwen3MoeAttention(nn.Module):
             ],
             bias=config.attention_bias,
         )
+        self.qkv_proj_sizes = self.qkv_proj.output_sizes
         self.o_proj = nn.Linear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
@@ -110,7 +111,7 @@ class FusedQwen3MoeAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
+        q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(self.qkv_proj_sizes, dim=-1)
         query_states = self.q_norm(q_proj_out.view(hidden_shape)).transpose(1, 2)
         key_states = self.k_norm(k_proj_out.view(hidden_shape)).transpose(1, 2)
         value_states = v_proj_out.view(hidden_shape).transpose(1, 2)
