@@ -10,8 +10,14 @@ from .checkpoint import (
     build_stacked_converters,
     register_stacked_checkpoint,
 )
+from . import peft as _peft
+from .auto import register_fused_causal_lm
 from .linear import MergedColumnLinear
 from .loading import CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from .peft import AdapterError
+
+# PEFT learns about merged linears when it is imported (now, or later); importing this package never imports PEFT.
+_peft.arm()
 
 # What a generated causal LM's `load_weights` method calls (a distinct name, so the method does not shadow it).
 stream_weights = load_weights
@@ -36,6 +42,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AdapterError",
     "CheckpointError",
     "LocalHeadsParallel",
     "MergedColumnConcatenate",
@@ -48,6 +55,7 @@ __all__ = [
     "load_checkpoint",
     "load_weights",
     "partition_rows",
+    "register_fused_causal_lm",
     "register_stacked_checkpoint",
     "save_checkpoint",
     "stream_weights",
