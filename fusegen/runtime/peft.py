@@ -421,11 +421,27 @@ def _inject_adapter(original):
         canonicalise_config(config, model, merged)
         token = _MERGED.set(merged)
         try:
-            return original(self, model, adapter_name, *args, **kwargs)
+            with warnings.catch_warnings():  # PEFT checks patterns against merged names; redone below on pieces
+                warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match")
+                result = original(self, model, adapter_name, *args, **kwargs)
         finally:
             _MERGED.reset(token)
+        _warn_unmatched_patterns(config, self.targeted_module_names, merged, adapter_name, model)
+        return result
 
     return inject_adapter
+
+
+def _warn_unmatched_patterns(config, targeted, merged, adapter_name, model) -> None:
+    """PEFT's warning for rank/alpha pattern keys that adapt nothing, judged on canonical names."""
+    names = []
+    for name in targeted:
+        packing = getattr(model.get_submodule(name), "fusegen_packings", {}).get(adapter_name)
+        names += [packing.merged.piece_path(piece) for piece, _ in packing.ranks] if name in merged and packing else [name]
+    for option in ("rank_pattern", "alpha_pattern"):
+        unused = [k for k in getattr(config, option) or {} if not any(re.match(rf"(.*\.)?({k})$", n) for n in names)]
+        if unused:
+            warnings.warn(f"{option} keys matched no adapted module and were ignored: {unused}", RuntimeWarning, 3)
 
 
 def _check_target_module_exists(original):
