@@ -261,3 +261,75 @@ def test_text_generation_pipeline_logs_no_error(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     # ...and original models still load as themselves.
     assert type(AutoModelForCausalLM.from_config(tiny_config(LlamaConfig))) is LlamaForCausalLM
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Remote code: fusegen export
+# --------------------------------------------------------------------------------------------------------------------
+
+REMOTE_LOAD = """
+import sys, torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+fused = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+original = LlamaForCausalLM.from_pretrained(sys.argv[2]).eval()
+ids = torch.tensor([[1, 5, 9, 42, 7]])
+with torch.no_grad():
+    print(type(fused).__name__, (fused(ids).logits - original(ids).logits).abs().max().item())
+"""
+BLOCK_FUSEGEN = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "fusegen" or name.startswith("fusegen."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _export(checkpoint, tmp_path):
+    from fusegen.cli import main
+
+    path, _, _ = _base(checkpoint, "llama")
+    assert main(["export", str(path), str(tmp_path / "remote"), "--model", "llama"]) == 0
+    return path, tmp_path / "remote"
+
+
+def _run(code, *args, tmp_path):
+    env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env)
+
+
+def test_export_loads_as_the_fused_class_with_trust_remote_code(checkpoint, tmp_path):
+    path, remote = _export(checkpoint, tmp_path)
+    config = json.loads((remote / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["auto_map"] == {"AutoModelForCausalLM": "fused_llama.FusedLlamaForCausalLM"}
+    result = _run(REMOTE_LOAD, remote, path, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    name, diff = result.stdout.split()
+    assert name == "FusedLlamaForCausalLM" and float(diff) <= TOLERANCE
+
+
+def test_export_without_fusegen_installed_names_the_package(checkpoint, tmp_path):
+    path, remote = _export(checkpoint, tmp_path)
+    result = _run(BLOCK_FUSEGEN + REMOTE_LOAD, remote, path, tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert "pip install fusegen" in result.stderr.splitlines()[-1], result.stderr[-2000:]
+
+
+def test_export_bad_input_exits_2_and_writes_nothing(checkpoint, tmp_path, capsys):
+    from fusegen.cli import main
+
+    path, remote = _export(checkpoint, tmp_path)
+    before = sorted(p.name for p in remote.iterdir())
+    cases = [
+        ([str(path), str(remote), "--model", "llama"], "not an empty directory"),
+        ([str(path), str(tmp_path / "b"), "--model", "qwen2"], "not 'qwen2'"),
+        ([str(tmp_path / "missing"), str(tmp_path / "c"), "--model", "llama"], "no config.json"),
+        ([str(path), str(tmp_path / "d"), "--model", "nosuchmodel"], "fusegen build nosuchmodel"),
+    ]
+    for argv, message in cases:
+        assert main(["export", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert sorted(p.name for p in remote.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["original", "remote"]
