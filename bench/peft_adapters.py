@@ -26,8 +26,15 @@ MODELS = {
     "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
 }
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
+TINY = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
 TARGETS = {
     "q,v (PEFT default)": ["q_proj", "v_proj"],
     "q,k,v,o,gate,up,down": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -45,7 +52,9 @@ def make_adapter(original_class, checkpoint, targets, out):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(2)
-    model = get_peft_model(original_class.from_pretrained(checkpoint), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    model = get_peft_model(
+        original_class.from_pretrained(checkpoint), LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    )
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_" in name:
@@ -72,7 +81,7 @@ def attempt(function, *args):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return function(*args), None
-    except Exception as error:  # a figure script reports what happened
+    except Exception as error:  # noqa: BLE001 (a figure script reports whatever happened)
         return None, f"{type(error).__name__}: {str(error)[:90]}"
 
 
@@ -81,7 +90,9 @@ def training_round_trip(config_class, original_class, fused_class, checkpoint, t
     from peft import LoraConfig, PeftModel, get_peft_model
 
     torch.manual_seed(3)
-    model = get_peft_model(fused_class.from_pretrained(checkpoint), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    model = get_peft_model(
+        fused_class.from_pretrained(checkpoint), LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    )
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     model.train()
     for _ in range(3):
@@ -109,13 +120,26 @@ def main():
             for label, targets in TARGETS.items():
                 adapter = Path(tmp) / f"{model_type}-{label}"
                 expected, tensors = make_adapter(original_class, checkpoint, targets, adapter)
-                for how, function in (("PeftModel.from_pretrained", via_peft_model), ("load_adapter", via_load_adapter)):
+                for how, function in (
+                    ("PeftModel.from_pretrained", via_peft_model),
+                    ("load_adapter", via_load_adapter),
+                ):
                     got, error = attempt(function, fused_class, checkpoint, adapter)
                     figure = error or f"max |logits diff| {(got - expected).abs().max().item():.2e}"
                     print(f"{model_type:6} adapter on {label:22} ({tensors:2} tensors) via {how:26} {figure}")
-            for label, targets in (("original names q,v", ["q_proj", "v_proj"]), ("fused names", ["qkv_proj", "gate_up_proj"])):
-                diff, error = attempt(training_round_trip, config_class, original_class, fused_class, checkpoint,
-                                      targets, Path(tmp) / f"{model_type}-trained-{label}")
+            for label, targets in (
+                ("original names q,v", ["q_proj", "v_proj"]),
+                ("fused names", ["qkv_proj", "gate_up_proj"]),
+            ):
+                diff, error = attempt(
+                    training_round_trip,
+                    config_class,
+                    original_class,
+                    fused_class,
+                    checkpoint,
+                    targets,
+                    Path(tmp) / f"{model_type}-trained-{label}",
+                )
                 figure = error or f"fused-trained adapter in the original class: max |logits diff| {diff:.2e}"
                 print(f"{model_type:6} LoRA training on the fused model, {label:18} {figure}")
 

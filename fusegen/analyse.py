@@ -16,7 +16,8 @@ from fusegen import astutil
 from fusegen.match import find_groups, merged_name
 from fusegen.plan import ClassOutcome, FusionPlan, Refusal, Refused
 from fusegen.rewrite_forward import rewrite_forward
-from fusegen.rewrite_init import check_no_other_uses, rewrite_init, sizes_attribute
+from fusegen.rewrite_init import check_no_other_uses, rewrite_init
+from fusegen.runtime.linear import sizes_attribute
 from fusegen.trace import trace_module
 
 

@@ -27,7 +27,9 @@ from fusegen.runtime.auto import CONFIG_NAME, canonical_architectures
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
-def export(src_dir: str | os.PathLike, out_dir: str | os.PathLike, model_type: str, *, generated_dir="generated") -> Path:
+def export(
+    src_dir: str | os.PathLike, out_dir: str | os.PathLike, model_type: str, *, generated_dir="generated"
+) -> Path:
     """Write the remote-code checkpoint directory `out_dir` from the canonical checkpoint `src_dir`; returns it."""
     source, target = Path(src_dir), Path(out_dir)
     _empty_or_absent(target)

@@ -7,7 +7,7 @@
 
 placed before the statement holding the first projection call, in the
 innermost block that dominates every call. The sizes are read from the owner
-(`rewrite_init.sizes_attribute`), not from the merged linear, which a wrapper may hide.
+(`fusegen.runtime.linear.sizes_attribute`), not from the merged linear, which a wrapper may hide.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from fusegen import astutil, safety
 from fusegen.plan import FusionPlan, Refused
-from fusegen.rewrite_init import sizes_attribute
+from fusegen.runtime.linear import sizes_attribute
 
 
 def rewrite_forward(funcdef: ast.FunctionDef, plan: FusionPlan, module: nn.Module, namespace: dict) -> None:

@@ -11,7 +11,7 @@ expressions, so one generated class serves every config of the model:
     self.qkv_proj_sizes = self.qkv_proj.output_sizes
 
 The second line keeps the split sizes on the owning module, where the rewritten
-forward reads them (see `sizes_attribute`).
+forward reads them (see `fusegen.runtime.linear.sizes_attribute`).
 """
 
 from __future__ import annotations
@@ -23,24 +23,13 @@ from torch import nn
 
 from fusegen import astutil
 from fusegen.plan import FusionPlan, Refused
+from fusegen.runtime.linear import sizes_attribute
 from fusegen.safety import resolve
 
 MERGED_LINEAR = "MergedColumnLinear"
 """The runtime class the merged constructor calls (imported from `fusegen.runtime`)."""
 
 _LINEAR_SIGNATURE = inspect.signature(nn.Linear.__init__)
-
-
-def sizes_attribute(merged: str) -> str:
-    """The owner's attribute holding the merged linear's split sizes, e.g. `qkv_proj_sizes`.
-
-    The forward splits by `self.qkv_proj_sizes`, not `self.qkv_proj.output_sizes`: a wrapper
-    that replaces the merged linear (a PEFT LoRA layer, a quantizer's linear) hides
-    `output_sizes`, but never touches its owner. The attribute is the merged linear's own
-    list object, so code that re-partitions the linear in place (tensor parallelism)
-    updates both at once.
-    """
-    return f"{merged}_sizes"
 
 
 def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) -> None:

@@ -17,7 +17,7 @@ from tests.conftest import random_model, tiny_config
 from tests.test_hazards import QKV, RETURN, case_path, outcome, write_case  # noqa: F401 (case_path is a fixture)
 
 peft = pytest.importorskip("peft")
-from peft import IA3Config, LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 
 MODELS = {
     "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
@@ -53,7 +53,7 @@ def _random_lora(model):
 def _adapter(tmp_path, original_class, path, **lora):
     """An adapter trained (randomised) on the original; returns (adapter dir, the original's logits with it)."""
     model = _random_lora(get_peft_model(original_class.from_pretrained(path), LoraConfig(**{"r": 4, **lora})))
-    model.save_pretrained(tmp_path / "adapter")
+    model.save_pretrained(tmp_path / "adapter")  # (tmp_path may not exist yet: save_pretrained makes it)
     return tmp_path / "adapter", _logits(model.eval())
 
 
@@ -61,7 +61,7 @@ def _lora_keys(directory):
     from safetensors import safe_open
 
     with safe_open(str(directory / "adapter_model.safetensors"), framework="pt") as handle:
-        return set(handle.keys())  # noqa: SIM118
+        return set(handle.keys())
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -107,6 +107,20 @@ def test_original_adapter_gives_the_originals_outputs(checkpoint, tmp_path, mode
     else:
         fused.load_adapter(adapter)
     torch.testing.assert_close(_logits(fused.eval()), expected, rtol=0, atol=TOLERANCE)
+
+
+def test_two_adapters_low_cpu_mem_usage_and_switching(checkpoint, tmp_path):
+    path, original_class, fused_class = _base(checkpoint, "llama")
+    first, expected_first = _adapter(tmp_path / "1", original_class, path, target_modules=["q_proj", "v_proj"])
+    second, expected_second = _adapter(tmp_path / "2", original_class, path, target_modules=["k_proj", "up_proj"])
+    fused = PeftModel.from_pretrained(fused_class.from_pretrained(path), first, low_cpu_mem_usage=True).eval()
+    fused.load_adapter(second, adapter_name="second")
+    fused.set_adapter("second")
+    torch.testing.assert_close(_logits(fused), expected_second, rtol=0, atol=TOLERANCE)
+    fused.set_adapter("default")
+    torch.testing.assert_close(_logits(fused), expected_first, rtol=0, atol=TOLERANCE)
+    with fused.disable_adapter():
+        assert torch.equal(_logits(fused), _logits(fused_class.from_pretrained(path).eval()))
 
 
 def test_ranks_may_differ_per_piece_when_the_scaling_agrees(checkpoint, tmp_path):
@@ -296,7 +310,9 @@ def _export(checkpoint, tmp_path):
 
 def _run(code, *args, tmp_path):
     env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, check=False
+    )
 
 
 def test_export_loads_as_the_fused_class_with_trust_remote_code(checkpoint, tmp_path):

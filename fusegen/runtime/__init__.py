@@ -4,14 +4,14 @@ Kept deliberately small and dependent only on torch, transformers and safetensor
 so a generated model file works wherever Transformers does, without the compiler (jinja2, black, ...) installed.
 """
 
+from . import peft as _peft
+from .auto import register_fused_causal_lm
 from .checkpoint import (
     MergedColumnConcatenate,
     MergedColumnSplit,
     build_stacked_converters,
     register_stacked_checkpoint,
 )
-from . import peft as _peft
-from .auto import register_fused_causal_lm
 from .linear import MergedColumnLinear
 from .loading import CheckpointError, load_checkpoint, load_weights, save_checkpoint
 from .peft import AdapterError

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .linear import sizes_attribute
 from .loading import stacked_mapping
 
 _PREFIX = "base_model.model."  # what PEFT's files and PeftModel put before the base model's names
@@ -90,24 +91,32 @@ def _base_layer(module: nn.Module) -> nn.Module:
 def merged_linears(model: nn.Module) -> dict[str, Merged]:
     """Every merged linear of `model` (which may be wrapped by PEFT) by path, with its canonical pieces.
 
-    Found by class name (a `MergedColumnLinear`, possibly inside PEFT's wrapper), so a reloaded runtime still counts.
-    A merged linear whose owner's module has no stacked mapping cannot be mapped, and raises.
+    Found through its owner: a module whose generated file's STACKED_PARAMS_MAPPING names a child of it. The
+    sizes are the owner's `<merged>_sizes` (what the forward splits by), so a merged linear replaced by a
+    quantizer's or PEFT's module still counts. A `MergedColumnLinear` no mapping explains cannot be mapped, and raises.
     """
     found = {}
-    for path, module in model.named_modules():
+    for path, owner in model.named_modules():
         if ".base_layer" in f".{path}":
             continue
-        base = _base_layer(module)
-        if not any(cls.__name__ == "MergedColumnLinear" for cls in type(base).__mro__):
-            continue
-        owner_path, _, attribute = path.rpartition(".")
-        pieces = stacked_mapping(model.get_submodule(owner_path)).get(attribute)
-        if pieces is None or len(pieces) != len(base.output_sizes):
-            raise AdapterError(
-                f"{path} is a merged linear, but the STACKED_PARAMS_MAPPING of {type(model.get_submodule(owner_path))} "
-                f"does not name its {len(base.output_sizes)} pieces, so no adapter can be mapped onto it"
+        for attribute, pieces in stacked_mapping(owner).items():
+            child = owner._modules.get(attribute)
+            if child is None:
+                continue
+            merged_path = f"{path}.{attribute}" if path else attribute
+            sizes = getattr(owner, sizes_attribute(attribute), None) or getattr(
+                _base_layer(child), "output_sizes", None
             )
-        found[path] = Merged(path, tuple(pieces), tuple(base.output_sizes))
+            if sizes is None or len(sizes) != len(pieces):
+                raise AdapterError(f"{merged_path}: cannot tell the sizes of its pieces {list(pieces)}")
+            found[merged_path] = Merged(merged_path, tuple(pieces), tuple(sizes))
+    for path, module in model.named_modules():
+        unexplained = ".base_layer" not in f".{path}" and path not in found
+        if unexplained and any(cls.__name__ == "MergedColumnLinear" for cls in type(_base_layer(module)).__mro__):
+            raise AdapterError(
+                f"{path} is a merged linear, but no STACKED_PARAMS_MAPPING names its pieces, so no adapter can be "
+                "mapped onto it"
+            )
     return found
 
 
@@ -156,7 +165,9 @@ def packing_for(config, merged: Merged) -> Packing | None:
         key = merged.piece_path(piece)
         if check_target_module_exists(config, key):
             ranks[piece] = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), key), config.r)
-            alphas[piece] = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), key), config.lora_alpha)
+            alphas[piece] = config.alpha_pattern.get(
+                get_pattern_key(config.alpha_pattern.keys(), key), config.lora_alpha
+            )
     if not ranks:
         return None
     where = f"{merged.path} (merging {', '.join(merged.pieces)})"
@@ -274,11 +285,17 @@ class BlockDiagonalLinear(nn.Linear):
     def __init__(self, packing: Packing, *, device=None, dtype=None):
         super().__init__(packing.rank, sum(packing.merged.sizes), bias=False, device=device, dtype=dtype)
         self.blocks = tuple(packing.blocks())
-        self.register_buffer("mask", _block_mask(self.blocks, self.weight.shape, self.weight.device), persistent=False)
+        self._masks: dict[torch.device, torch.Tensor] = {}  # not a buffer: PEFT may build this on meta and move it
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """True inside the pieces' blocks, on the weight's device (built once per device)."""
+        device = self.weight.device
+        if device not in self._masks:
+            self._masks[device] = _block_mask(self.blocks, self.weight.shape, device)
+        return self._masks[device]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mask.device != self.weight.device:  # built on meta (low_cpu_mem_usage), weights assigned since
-            self.mask = _block_mask(self.blocks, self.weight.shape, self.weight.device)
         return F.linear(x, self.weight * self.mask)
 
     def extra_repr(self) -> str:
@@ -359,7 +376,9 @@ def pack_state_dict(
         out[f"{prefix}{path}.lora_B.weight"] = b_merged
     for m in merged.values():
         for piece in m.pieces:
-            stray = [k for k in out if k.removeprefix(_PREFIX).startswith(m.piece_path(piece).removeprefix(_PREFIX) + ".")]
+            stray = [
+                k for k in out if k.removeprefix(_PREFIX).startswith(m.piece_path(piece).removeprefix(_PREFIX) + ".")
+            ]
             if stray:
                 raise AdapterError(
                     f"the adapter holds {stray[0]}, but its config does not adapt {m.piece_path(piece)} "
@@ -406,7 +425,9 @@ def _inject_adapter(original):
             return original(self, model, adapter_name, *args, **kwargs)
         config = self.peft_config[adapter_name]
         if (kwargs.get("state_dict") if "state_dict" in kwargs else (args[2] if len(args) > 2 else None)) is not None:
-            raise AdapterError(f"{type(model).__name__}: injecting from a state dict is not supported on a fused model")
+            raise AdapterError(
+                f"{type(model).__name__}: injecting from a state dict is not supported on a fused model"
+            )
         if config.peft_type.value != "LORA":
             prepared = self._prepare_adapter_config(copy.deepcopy(config), self.get_model_config(model))
             check_target_module_exists, _ = _peft()
@@ -437,7 +458,9 @@ def _warn_unmatched_patterns(config, targeted, merged, adapter_name, model) -> N
     names = []
     for name in targeted:
         packing = getattr(model.get_submodule(name), "fusegen_packings", {}).get(adapter_name)
-        names += [packing.merged.piece_path(piece) for piece, _ in packing.ranks] if name in merged and packing else [name]
+        names += (
+            [packing.merged.piece_path(piece) for piece, _ in packing.ranks] if name in merged and packing else [name]
+        )
     for option in ("rank_pattern", "alpha_pattern"):
         unused = [k for k in getattr(config, option) or {} if not any(re.match(rf"(.*\.)?({k})$", n) for n in names)]
         if unused:
@@ -518,7 +541,9 @@ def install() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def load_adapter(model, load, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
+def load_adapter(
+    model, load, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs
+):
     """`load_adapter` of a generated model: Transformers' own, given the adapter's tensors already packed.
 
     Transformers reads adapter files with its own loader (not PEFT's), so the packing happens here: the config is
@@ -532,7 +557,9 @@ def load_adapter(model, load, peft_model_id=None, adapter_name=None, peft_config
     from peft import PeftConfig
     from peft.utils import load_peft_weights
 
-    download = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only", "subfolder") if k in kwargs}
+    download = {
+        k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only", "subfolder") if k in kwargs
+    }
     if peft_config is None:
         peft_config = PeftConfig.from_pretrained(peft_model_id, **download, **(kwargs.get("adapter_kwargs") or {}))
     if peft_config.peft_type.value != "LORA":
@@ -549,8 +576,14 @@ def load_adapter(model, load, peft_model_id=None, adapter_name=None, peft_config
     info = load(peft_model_id, adapter_name, peft_config, packed, **kwargs)
     name = adapter_name or "default"
     made = packed_layers(model, name)
-    problems = [f"{path}: packed {made.get(path)} vs planned {p}" for path, p in packings.items() if made.get(path) != p]
-    problems += sorted(getattr(info, "missing_keys", ()) or ()) + sorted(getattr(info, "unexpected_keys", ()) or ())
+    problems = [
+        f"{path}: packed {made.get(path)} vs planned {p}" for path, p in packings.items() if made.get(path) != p
+    ]
+    # Transformers' missing keys are filtered by substring (adapter "y" matches "layers"): keep this adapter's own.
+    problems += sorted(
+        k for k in getattr(info, "missing_keys", ()) or () if f".{name}." in k or k.endswith(f".{name}")
+    )
+    problems += sorted(getattr(info, "unexpected_keys", ()) or ())
     if problems:
         raise AdapterError(f"adapter {peft_model_id or name!r} did not load completely: {problems[:8]}")
     return info
@@ -583,7 +616,7 @@ class _InstallAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.loader.exec_module(module)
         try:
             install()
-        except Exception as error:  # an incompatible PEFT must not break `import peft`; say what is lost instead
+        except Exception as error:  # noqa: BLE001 (an incompatible PEFT must not break `import peft`; say so)
             warnings.warn(f"fusegen.runtime could not teach PEFT about merged linears ({error!r})", stacklevel=2)
 
 
@@ -593,6 +626,6 @@ def arm() -> None:
         if hasattr(sys.modules["peft"], "PeftModel"):
             install()
         return
-    if not any(isinstance(finder, _InstallAfterImport) for finder in sys.meta_path):
-        if importlib.util.find_spec("peft") is not None:
-            sys.meta_path.insert(0, _InstallAfterImport())
+    armed = any(isinstance(finder, _InstallAfterImport) for finder in sys.meta_path)
+    if not armed and importlib.util.find_spec("peft") is not None:
+        sys.meta_path.insert(0, _InstallAfterImport())
