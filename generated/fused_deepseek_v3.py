@@ -43,7 +43,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     slice_logits_to_keep,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import MergedColumnLinear, register_fused_causal_lm, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
 packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -179,6 +179,20 @@ class FusedDeepseekV3PreTrainedModel(PreTrainedModel):
     def is_custom_code(cls):
         """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
         return False
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
+        from fusegen.runtime.auto import save_pretrained
+
+        return save_pretrained(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
+        """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
+        from fusegen.runtime.peft import load_adapter
+
+        return load_adapter(
+            self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs
+        )
 
     @classmethod
     def _can_set_experts_implementation(cls):
@@ -336,6 +350,7 @@ class FusedDeepseekV3ForCausalLM(FusedDeepseekV3PreTrainedModel, GenerationMixin
 register_stacked_checkpoint(
     ["FusedDeepseekV3Model"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp", "shared_experts"]}
 )
+register_fused_causal_lm(FusedDeepseekV3ForCausalLM)
 
 __all__ = [
     "FusedDeepseekV3DecoderLayer",

@@ -42,7 +42,7 @@ from transformers.models.llama.modeling_llama import (
     use_kernelized_func,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import MergedColumnLinear, register_fused_causal_lm, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {
     "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
@@ -202,6 +202,20 @@ class FusedLlamaPreTrainedModel(PreTrainedModel):
         """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
         return False
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
+        from fusegen.runtime.auto import save_pretrained
+
+        return save_pretrained(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
+        """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
+        from fusegen.runtime.peft import load_adapter
+
+        return load_adapter(
+            self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs
+        )
+
 
 @auto_docstring
 class FusedLlamaModel(FusedLlamaPreTrainedModel):
@@ -352,6 +366,7 @@ class FusedLlamaForCausalLM(FusedLlamaPreTrainedModel, GenerationMixin):
 register_stacked_checkpoint(
     ["FusedLlamaModel"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]}
 )
+register_fused_causal_lm(FusedLlamaForCausalLM)
 
 __all__ = [
     "FusedLlamaAttention",

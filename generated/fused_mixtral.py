@@ -48,7 +48,7 @@ from transformers.models.mixtral.modeling_mixtral import (
     use_kernelized_func,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import MergedColumnLinear, register_fused_causal_lm, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
@@ -195,6 +195,20 @@ class FusedMixtralPreTrainedModel(PreTrainedModel):
     def is_custom_code(cls):
         """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
         return False
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
+        from fusegen.runtime.auto import save_pretrained
+
+        return save_pretrained(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
+        """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
+        from fusegen.runtime.peft import load_adapter
+
+        return load_adapter(
+            self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs
+        )
 
     @classmethod
     def _can_set_experts_implementation(cls):
@@ -367,6 +381,7 @@ class FusedMixtralForCausalLM(FusedMixtralPreTrainedModel, GenerationMixin):
 
 
 register_stacked_checkpoint(["FusedMixtralModel"], STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["self_attn"]})
+register_fused_causal_lm(FusedMixtralForCausalLM)
 
 __all__ = [
     "FusedMixtralAttention",

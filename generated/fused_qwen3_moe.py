@@ -49,7 +49,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     use_kernelized_func,
 )
 
-from fusegen.runtime import MergedColumnLinear, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import MergedColumnLinear, register_fused_causal_lm, register_stacked_checkpoint, stream_weights
 
 STACKED_PARAMS_MAPPING = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
@@ -213,6 +213,20 @@ class FusedQwen3MoePreTrainedModel(PreTrainedModel):
     def is_custom_code(cls):
         """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
         return False
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
+        from fusegen.runtime.auto import save_pretrained
+
+        return save_pretrained(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
+        """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
+        from fusegen.runtime.peft import load_adapter
+
+        return load_adapter(
+            self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs
+        )
 
     @classmethod
     def _can_set_experts_implementation(cls):
@@ -385,6 +399,7 @@ class FusedQwen3MoeForCausalLM(FusedQwen3MoePreTrainedModel, GenerationMixin):
 
 
 register_stacked_checkpoint(["FusedQwen3MoeModel"], STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["self_attn"]})
+register_fused_causal_lm(FusedQwen3MoeForCausalLM)
 
 __all__ = [
     "FusedQwen3MoeAttention",
