@@ -18,6 +18,7 @@ from fusegen.plan import ClassOutcome, FusionPlan, Refusal, Refused
 from fusegen.rewrite_forward import rewrite_forward
 from fusegen.rewrite_init import check_no_other_uses, rewrite_init
 from fusegen.safety import check_projections, projection_findings
+from fusegen.runtime.linear import sizes_attribute
 from fusegen.trace import trace_module
 
 
@@ -56,8 +57,11 @@ def analyse_class(
             if plan.merged in vetoes:
                 reason = vetoes[plan.merged]
                 raise Refused(_veto_rule(reason), reason)
-            if plan.merged in taken:
-                raise Refused("name-clash", f"the class already uses the name {plan.merged}", taken[plan.merged])
+            # Names the rewrite adds: the merged linear and its split sizes. `hasattr` also sees attributes set by
+            # base classes, which the class statement does not show (a false alarm costs a fusion).
+            for name in (plan.merged, sizes_attribute(plan.merged)):
+                if name in taken or hasattr(instance, name):
+                    raise Refused("name-clash", f"the class already uses the name {name}", taken.get(name))
             check_no_other_uses(candidate, plan)
             rewrite_init(astutil.method(candidate, "__init__"), plan, namespace)
             rewrite_forward(astutil.method(candidate, "forward"), plan, instance, namespace)
@@ -67,7 +71,7 @@ def analyse_class(
                 queue.extend(_same_spelling_subplans(astutil.method(classdef, "forward"), plan))
             continue
         classdef = candidate
-        taken[plan.merged] = None
+        taken[plan.merged] = taken[sizes_attribute(plan.merged)] = None
         outcome.fused.append(plan)
     return outcome, (classdef if outcome.fused else None)
 

@@ -26,6 +26,7 @@ from fusegen.rewrite_init import MERGED_LINEAR
 from fusegen.runtime.tp import fused_plan_from
 
 REGISTER = "register_stacked_checkpoint"
+REGISTER_AUTO = "register_fused_causal_lm"
 STREAM = "stream_weights"
 CHECK = "check_loading"
 TEMPLATE_NAMES = {"STACKED_PARAMS_MAPPING", "packed_modules_mapping", "TP_PLAN"}
@@ -66,6 +67,20 @@ def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
     from fusegen.runtime.pretrained import fused_from_pretrained
 
     return fused_from_pretrained(cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs)
+'''
+SAVE_PRETRAINED_METHOD = '''
+def save_pretrained(self, save_directory, *args, **kwargs):
+    """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
+    from fusegen.runtime.auto import save_pretrained
+
+    return save_pretrained(self, super().save_pretrained, save_directory, *args, **kwargs)
+'''
+LOAD_ADAPTER_METHOD = '''
+def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
+    """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
+    from fusegen.runtime.peft import load_adapter
+
+    return load_adapter(self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs)
 '''
 LOAD_WEIGHTS_METHOD = '''
 def load_weights(self, weights):
@@ -147,7 +162,7 @@ def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] |
         rename_classes(item.classdef, renames)
         for used_name in sorted(global_names(ast.unparse(item.classdef)) - set(renames.values()) - TEMPLATE_NAMES):
             _use(used, used_name, item)
-    used[REGISTER] = used[STREAM] = (None, "")
+    used[REGISTER] = used[STREAM] = used[REGISTER_AUTO] = (None, "")
     if CHECK in used:
         used[CHECK] = (None, "")
     sources = [ast.unparse(item.classdef) for item in emitted.values()]
@@ -162,11 +177,12 @@ def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] |
         fused_lines=[f"{fused_name(o.class_name)}: {plan.describe()}" for o in outcomes for plan in o.fused],
         refused_lines=[f"{o.class_name}: {refusal.describe()}" for o in outcomes for refusal in o.refused],
         causal_lm=target.causal_lm.__name__,
-        imports=import_lines(used, {MERGED_LINEAR, REGISTER, STREAM, CHECK}),
+        imports=import_lines(used, {MERGED_LINEAR, REGISTER, STREAM, REGISTER_AUTO, CHECK}),
         stacked_params_mapping=repr(_stacked_mapping(plans)),
         packed_modules_mapping=repr({plan.merged: list(plan.projections) for plan in plans}),
         classes=sources,
         checkpoint_classes=repr(_checkpoint_classes(model, target, renames)),
+        fused_causal_lm=renames[target.causal_lm.__name__],
         parents=repr(_parents(model, outcomes)),
         exports=repr(sorted(renames.values())),
         **_tensor_parallel(model, plans, _parents(model, outcomes), _checkpoint_classes(model, target, renames)),
@@ -222,6 +238,8 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
     - `is_custom_code() -> False` on the pretrained base of a Transformers model: otherwise the copies count as
       custom code, which loads and initialises differently (non-persistent buffers filled in `_init_weights`
       are skipped, model-type checkpoint conversions are not applied at the root);
+    - `save_pretrained` and `load_adapter` on the pretrained base: config.json names the original classes, and
+      canonical PEFT adapters load onto the merged linears (fusegen.runtime.auto, fusegen.runtime.peft);
     - `_can_set_experts_implementation() -> True` on the pretrained base of any model whose original answers True:
       Transformers decides by searching the class's module source for the experts decorator, and the experts
       classes stay in the original module, so without it a fused MoE model silently falls back to the eager
@@ -246,6 +264,8 @@ def _add_methods(emitted: dict, target: Target, model: nn.Module) -> None:
         add(name, "from_pretrained", FROM_PRETRAINED_METHOD)
         if target.module.__name__.startswith("transformers."):
             add(name, "is_custom_code", IS_CUSTOM_CODE_METHOD)
+        add(name, "save_pretrained", SAVE_PRETRAINED_METHOD)
+        add(name, "load_adapter", LOAD_ADAPTER_METHOD)
         if getattr(cls, "_can_set_experts_implementation", lambda: False)():
             add(name, "_can_set_experts_implementation", CAN_SET_EXPERTS_METHOD)
 

@@ -88,9 +88,10 @@ def make_parser() -> argparse.ArgumentParser:
     listing.add_argument("--output-dir", type=Path, default=None, metavar="DIR", help="default: generated")
     listing.set_defaults(handler=_list)
 
-    from fusegen import convert, verify
+    from fusegen import convert, export, verify
 
     convert.add_parser(commands).set_defaults(handler=lambda args, console: convert.run(args))
+    export.add_parser(commands).set_defaults(handler=lambda args, console: export.run(args))
     verify.add_parser(commands).set_defaults(handler=lambda args, console: verify.run(args))
     return parser
 

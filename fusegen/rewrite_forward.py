@@ -2,11 +2,12 @@
 
 `q = self.q_proj(x); k = self.k_proj(x); v = self.v_proj(x)` becomes
 
-    q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+    q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(x).split(self.qkv_proj_sizes, dim=-1)
     q = q_proj_out; ...
 
 placed before the statement holding the first projection call, in the
-innermost block that dominates every call.
+innermost block that dominates every call. The sizes are read from the owner
+(`fusegen.runtime.linear.sizes_attribute`), not from the merged linear, which a wrapper may hide.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from fusegen import astutil, safety
 from fusegen.plan import FusionPlan, Refused
+from fusegen.runtime.linear import sizes_attribute
 
 
 def rewrite_forward(funcdef: ast.FunctionDef, plan: FusionPlan, module: nn.Module, namespace: dict) -> None:
@@ -107,8 +109,8 @@ def _splice(
     for name in plan.projections:
         temps.append(astutil.fresh_name(f"{name}_out", taken))
         taken.add(temps[-1])
-    merged = f"self.{plan.merged}"
-    statement = ast.parse(f"{', '.join(temps)} = {merged}(__input__).split({merged}.output_sizes, dim=-1)").body[0]
+    merged, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
+    statement = ast.parse(f"{', '.join(temps)} = {merged}(__input__).split({sizes}, dim=-1)").body[0]
     placeholder = next(n for n in ast.walk(statement) if isinstance(n, ast.Name) and n.id == "__input__")
     astutil.replace_node(statement, placeholder, calls[0].args[0])
     block.insert(index, ast.copy_location(statement, block[index]))

@@ -8,6 +8,10 @@ expressions, so one generated class serves every config of the model:
         [config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim, ...],
         bias=config.attention_bias,
     )
+    self.qkv_proj_sizes = self.qkv_proj.output_sizes
+
+The second line keeps the split sizes on the owning module, where the rewritten
+forward reads them (see `fusegen.runtime.linear.sizes_attribute`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from fusegen import astutil
 from fusegen.plan import FusionPlan, Refused
+from fusegen.runtime.linear import sizes_attribute
 from fusegen.safety import resolve
 
 MERGED_LINEAR = "MergedColumnLinear"
@@ -54,6 +59,8 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
         astutil.replace_node(merged, node, fills[node.id])
     last = block[positions[-1]]
     block[positions[-1]] = ast.copy_location(merged, last)
+    sizes = ast.parse(f"self.{sizes_attribute(plan.merged)} = self.{plan.merged}.output_sizes").body[0]
+    block.insert(positions[-1] + 1, ast.copy_location(sizes, last))
     for assign in assigns:
         if assign is not last:
             block.remove(assign)

@@ -461,10 +461,13 @@ def test_registering_head_class_too_is_harmless(tmp_path):
 def test_runtime_imports_only_torch_and_transformers():
     """Generated files import fusegen.runtime at model-load time; it must not drag in the compiler's dependencies.
 
-    Checked on the source (not sys.modules): `import transformers` itself already imports jinja2.
+    Checked on the source (not sys.modules): `import transformers` itself already imports jinja2. PEFT support
+    (peft.py) imports PEFT inside its functions only (tests/test_ecosystem.py checks that importing a generated file
+    does not import it).
     """
     allowed = {"torch", "transformers", "safetensors", "__future__"} | set(sys.stdlib_module_names)
     for file in pathlib.Path(fusegen.runtime.__file__).parent.glob("*.py"):
+        allowed_here = allowed | ({"peft"} if file.name == "peft.py" else set())
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.Import):
                 roots = {alias.name.split(".")[0] for alias in node.names}
@@ -472,4 +475,4 @@ def test_runtime_imports_only_torch_and_transformers():
                 roots = {node.module.split(".")[0]}
             else:
                 continue
-            assert roots <= allowed, (file.name, roots)
+            assert roots <= allowed_here, (file.name, roots)

@@ -4,6 +4,8 @@ Kept deliberately small and dependent only on torch, transformers and safetensor
 so a generated model file works wherever Transformers does, without the compiler (jinja2, black, ...) installed.
 """
 
+from . import peft as _peft
+from .auto import register_fused_causal_lm
 from .checkpoint import (
     MergedColumnConcatenate,
     MergedColumnSplit,
@@ -13,6 +15,10 @@ from .checkpoint import (
 from .linear import MergedColumnLinear
 from .loading import CheckpointError, load_checkpoint, load_weights, save_checkpoint
 from .strict import check_loading
+from .peft import AdapterError
+
+# PEFT learns about merged linears when it is imported (now, or later); importing this package never imports PEFT.
+_peft.arm()
 
 # What a generated causal LM's `load_weights` method calls (a distinct name, so the method does not shadow it).
 stream_weights = load_weights
@@ -37,6 +43,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AdapterError",
     "CheckpointError",
     "LocalHeadsParallel",
     "MergedColumnConcatenate",
@@ -50,6 +57,7 @@ __all__ = [
     "load_checkpoint",
     "load_weights",
     "partition_rows",
+    "register_fused_causal_lm",
     "register_stacked_checkpoint",
     "save_checkpoint",
     "stream_weights",

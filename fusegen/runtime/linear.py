@@ -26,6 +26,17 @@ def _as_output_sizes(output_sizes: Sequence[int]) -> list[int]:
     return sizes
 
 
+def sizes_attribute(merged: str) -> str:
+    """The owner's attribute holding a merged linear's split sizes, e.g. `qkv_proj_sizes` for `qkv_proj`.
+
+    Generated forwards split by `self.qkv_proj_sizes`, not `self.qkv_proj.output_sizes`: a wrapper that replaces
+    the merged linear (a PEFT LoRA layer, a quantizer's linear) hides `output_sizes`, but never touches its owner.
+    The generated `__init__` binds it to the merged linear's own `output_sizes` list, so code that re-partitions
+    the linear in place (tensor parallelism) updates both at once.
+    """
+    return f"{merged}_sizes"
+
+
 class MergedColumnLinear(nn.Linear):
     """Several linears sharing one input, stored as a single `nn.Linear` whose rows are stacked in order.
 
@@ -34,7 +45,7 @@ class MergedColumnLinear(nn.Linear):
     construction inside `from_pretrained`, dtype casting, device maps) keeps working unchanged.
 
     `output_sizes` records where each original projection lives in the output (`weight[:output_sizes[0]]` is the first
-    projection, and so on). Callers split the output with `out.split(layer.output_sizes, dim=-1)`, and the checkpoint
+    projection, and so on). Generated forwards split the output by the same list, kept on the owner (`sizes_attribute`), and the checkpoint
     converters in `fusegen.runtime.checkpoint` read it to split the weight back into its original tensors on save,
     which is what makes unequal pieces (GQA/MQA q vs k/v) round-trip.
     """

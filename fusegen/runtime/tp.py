@@ -232,7 +232,7 @@ def _partition(module: nn.Module, mesh) -> RowPartition:
     replicable = getattr(module, "tp_replicable", None) or [False] * len(full_sizes)
     partition = partition_rows(full_sizes, units, replicable, world_size, rank, what=_model_name(module))
     module.tp_partition = partition
-    module.output_sizes = list(partition.sizes)
+    module.output_sizes[:] = partition.sizes  # in place: the owner's `<merged>_sizes` is this same list
     return partition
 
 

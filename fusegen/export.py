@@ -1,0 +1,84 @@
+"""`fusegen export CKPT OUT --model TYPE`: a checkpoint that loads as the fused class through remote code.
+
+OUT holds CKPT's files unchanged (the canonical weights, tokenizer, generation config), a copy of the generated
+`fused_<type>.py`, and a `config.json` whose `auto_map` names the fused classes in it, so
+
+    AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)
+
+builds the fused class, while `architectures` still names the original class (engines that ignore `auto_map`, and
+`trust_remote_code=False`, load the original). The generated file imports `fusegen.runtime`; where it is not
+installed, Transformers refuses the file with "requires the following packages ...: fusegen. Run `pip install
+fusegen`". OUT is assembled in a staging directory renamed into place, so a failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from fusegen.convert import _empty_or_absent, causal_lm_class, import_fused_module, read_config
+from fusegen.errors import FusegenError, InputError
+from fusegen.runtime.auto import CONFIG_NAME, canonical_architectures
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def export(
+    src_dir: str | os.PathLike, out_dir: str | os.PathLike, model_type: str, *, generated_dir="generated"
+) -> Path:
+    """Write the remote-code checkpoint directory `out_dir` from the canonical checkpoint `src_dir`; returns it."""
+    source, target = Path(src_dir), Path(out_dir)
+    _empty_or_absent(target)
+    module = import_fused_module(generated_dir, model_type)
+    fused_class = causal_lm_class(module)
+    config = read_config(source)
+    if config.model_type != model_type:
+        raise InputError(f"{source} holds a {config.model_type!r} model, not {model_type!r}")
+    if not any((source / name).is_file() for name in WEIGHTS):
+        raise InputError(f"{source}: no {' or '.join(WEIGHTS)} (export copies canonical safetensors weights)")
+    code_name = Path(module.__file__).name
+    document = json.loads((source / CONFIG_NAME).read_text(encoding="utf-8"))
+    document["architectures"] = canonical_architectures(document.get("architectures")) or [
+        fused_class.__name__.removeprefix("Fused")
+    ]
+    document["auto_map"] = {"AutoModelForCausalLM": f"{Path(code_name).stem}.{fused_class.__name__}"}
+    staging = target.parent / f".{target.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir(parents=True)
+        for path in sorted(source.iterdir()):
+            if path.is_file() and path.name not in (CONFIG_NAME, code_name):
+                shutil.copy2(path, staging / path.name)
+        shutil.copy2(module.__file__, staging / code_name)
+        (staging / CONFIG_NAME).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if target.exists():
+            target.rmdir()
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `fusegen export CHECKPOINT_DIR OUT_DIR --model TYPE`."""
+    parser = subparsers.add_parser("export", help="write a checkpoint that loads as the fused class (remote code)")
+    parser.add_argument("checkpoint_dir", type=Path, metavar="CHECKPOINT_DIR")
+    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    parser.add_argument("--model", required=True, metavar="TYPE", help="model type, e.g. llama")
+    parser.add_argument("--generated-dir", type=Path, default=Path("generated"), metavar="DIR")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 on success, 2 on bad input (message on stderr as `fusegen: error: ...`)."""
+    try:
+        out = export(args.checkpoint_dir, args.out_dir, args.model, generated_dir=args.generated_dir)
+    except (FusegenError, OSError, ValueError) as error:
+        print(f"fusegen: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} (loads as the fused class with trust_remote_code=True)")
+    return 0

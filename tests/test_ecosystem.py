@@ -1,0 +1,351 @@
+"""Fused models among PEFT, pipelines and Transformers' checkpoint conventions (issue 15 items 1, 3, 6)."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from fusegen.runtime import AdapterError
+from generated.fused_llama import FusedLlamaForCausalLM
+from generated.fused_qwen2 import FusedQwen2ForCausalLM
+from tests.conftest import random_model, tiny_config
+from tests.test_hazards import QKV, RETURN, case_path, outcome, write_case  # noqa: F401 (case_path is a fixture)
+
+peft = pytest.importorskip("peft")
+from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
+
+MODELS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
+}
+TOLERANCE = 1e-5
+IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def _base(checkpoint, model_type):
+    """A saved random GQA original of `model_type`; returns (path, original class, fused class)."""
+    config_class, original_class, fused_class = MODELS[model_type]
+    path, _ = checkpoint(original_class, tiny_config(config_class, num_key_value_heads=2))
+    return path, original_class, fused_class
+
+
+def _random_lora(model):
+    """Non-zero A and B everywhere (PEFT starts B at zero, which would hide a dropped or mis-placed tensor)."""
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.3)
+    return model
+
+
+def _adapter(tmp_path, original_class, path, **lora):
+    """An adapter trained (randomised) on the original; returns (adapter dir, the original's logits with it)."""
+    model = _random_lora(get_peft_model(original_class.from_pretrained(path), LoraConfig(**{"r": 4, **lora})))
+    model.save_pretrained(tmp_path / "adapter")  # (tmp_path may not exist yet: save_pretrained makes it)
+    return tmp_path / "adapter", _logits(model.eval())
+
+
+def _lora_keys(directory):
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "adapter_model.safetensors"), framework="pt") as handle:
+        return set(handle.keys())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The generated forward does not depend on what a wrapper hides
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_forward_survives_a_wrapper_that_hides_output_sizes(checkpoint):
+    """A module standing in for qkv_proj (as PEFT's and quantizers' do) has no `output_sizes`."""
+    path, _, fused_class = _base(checkpoint, "llama")
+    fused = fused_class.from_pretrained(path).eval()
+    expected = _logits(fused)
+    for layer in fused.model.layers:
+        merged = layer.self_attn.qkv_proj
+        plain = nn.Linear(merged.in_features, merged.out_features, bias=merged.bias is not None)
+        plain.load_state_dict(merged.state_dict())
+        layer.self_attn.qkv_proj = plain
+    assert torch.equal(_logits(fused), expected)
+
+
+def test_sizes_attribute_is_checked_for_name_clashes(case_path):  # noqa: F811
+    block = outcome(write_case(case_path, "sizes_taken", "        self.qkv_proj_sizes = 3\n", QKV + RETURN))
+    assert [r.rule for r in block.refused if r.projections == ("q_proj", "k_proj", "v_proj")] == ["name-clash"]
+    assert "qkv_proj_sizes" in block.refused[0].reason
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Adapters trained on the original
+# --------------------------------------------------------------------------------------------------------------------
+
+SUBSETS = {"q_v": ["q_proj", "v_proj"], "all": ALL, "k_up": ["k_proj", "up_proj"], "gate": ["gate_proj"]}
+
+
+@pytest.mark.parametrize("how", ["PeftModel", "load_adapter"])
+@pytest.mark.parametrize("subset", sorted(SUBSETS))
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_original_adapter_gives_the_originals_outputs(checkpoint, tmp_path, model_type, subset, how):
+    path, original_class, fused_class = _base(checkpoint, model_type)
+    adapter, expected = _adapter(tmp_path, original_class, path, target_modules=SUBSETS[subset], lora_alpha=8)
+    fused = fused_class.from_pretrained(path)
+    if how == "PeftModel":
+        fused = PeftModel.from_pretrained(fused, adapter)
+    else:
+        fused.load_adapter(adapter)
+    torch.testing.assert_close(_logits(fused.eval()), expected, rtol=0, atol=TOLERANCE)
+
+
+def test_two_adapters_low_cpu_mem_usage_and_switching(checkpoint, tmp_path):
+    path, original_class, fused_class = _base(checkpoint, "llama")
+    first, expected_first = _adapter(tmp_path / "1", original_class, path, target_modules=["q_proj", "v_proj"])
+    second, expected_second = _adapter(tmp_path / "2", original_class, path, target_modules=["k_proj", "up_proj"])
+    fused = PeftModel.from_pretrained(fused_class.from_pretrained(path), first, low_cpu_mem_usage=True).eval()
+    fused.load_adapter(second, adapter_name="second")
+    fused.set_adapter("second")
+    torch.testing.assert_close(_logits(fused), expected_second, rtol=0, atol=TOLERANCE)
+    fused.set_adapter("default")
+    torch.testing.assert_close(_logits(fused), expected_first, rtol=0, atol=TOLERANCE)
+    with fused.disable_adapter():
+        assert torch.equal(_logits(fused), _logits(fused_class.from_pretrained(path).eval()))
+
+
+def test_ranks_may_differ_per_piece_when_the_scaling_agrees(checkpoint, tmp_path):
+    path, original_class, fused_class = _base(checkpoint, "llama")
+    lora = {"target_modules": ["q_proj", "v_proj"], "rank_pattern": {"v_proj": 8}, "alpha_pattern": {"v_proj": 16}}
+    adapter, expected = _adapter(tmp_path, original_class, path, lora_alpha=8, **lora)
+    fused = PeftModel.from_pretrained(fused_class.from_pretrained(path), adapter)
+    torch.testing.assert_close(_logits(fused.eval()), expected, rtol=0, atol=TOLERANCE)
+    assert fused.base_model.model.model.layers[0].self_attn.qkv_proj.r["default"] == 12
+
+
+@pytest.mark.parametrize(
+    "lora, problem",
+    [
+        ({"target_modules": ["q_proj", "v_proj"], "rank_pattern": {"v_proj": 8}}, "different LoRA scalings"),
+        ({"target_modules": ["q_proj"], "use_dora": True}, "use_dora"),
+    ],
+)
+def test_unsupported_adapters_raise(checkpoint, tmp_path, lora, problem):
+    path, original_class, fused_class = _base(checkpoint, "llama")
+    adapter, _ = _adapter(tmp_path, original_class, path, **lora)
+    with pytest.raises(AdapterError, match=problem):
+        PeftModel.from_pretrained(fused_class.from_pretrained(path), adapter)
+    with pytest.raises(AdapterError, match=problem):
+        fused_class.from_pretrained(path).load_adapter(adapter)
+
+
+def test_adapter_tensors_the_config_does_not_target_are_refused_not_dropped(checkpoint, tmp_path):
+    path, original_class, fused_class = _base(checkpoint, "llama")
+    adapter, _ = _adapter(tmp_path, original_class, path, target_modules=["q_proj", "k_proj"])
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj"]}))
+    with pytest.raises(AdapterError, match="k_proj"):
+        PeftModel.from_pretrained(fused_class.from_pretrained(path), adapter)
+    with pytest.raises(AdapterError, match="k_proj"):
+        fused_class.from_pretrained(path).load_adapter(adapter)
+
+
+def test_other_peft_methods_on_merged_pieces_raise(checkpoint):
+    path, _, fused_class = _base(checkpoint, "llama")
+    config = IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
+    with pytest.raises(AdapterError, match="only LoRA"):
+        get_peft_model(fused_class.from_pretrained(path), config)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training on the fused model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _sgd_step(model):
+    model.train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    optimizer.step()
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_training_step_on_the_fused_model_equals_the_originals(checkpoint, tmp_path, model_type):
+    """Same adapter, same batch, one SGD step on each: same logits after, and the fused save loads in the original."""
+    path, original_class, fused_class = _base(checkpoint, model_type)
+    adapter, _ = _adapter(tmp_path, original_class, path, target_modules=["q_proj", "v_proj", "up_proj"], lora_alpha=8)
+    original = _sgd_step(PeftModel.from_pretrained(original_class.from_pretrained(path), adapter, is_trainable=True))
+    fused = _sgd_step(PeftModel.from_pretrained(fused_class.from_pretrained(path), adapter, is_trainable=True))
+    torch.testing.assert_close(_logits(fused), _logits(original), rtol=0, atol=TOLERANCE)
+    fused.save_pretrained(tmp_path / "trained")
+    assert not any("qkv_proj" in key or "gate_up_proj" in key for key in _lora_keys(tmp_path / "trained"))
+    reloaded = PeftModel.from_pretrained(original_class.from_pretrained(path), tmp_path / "trained")
+    torch.testing.assert_close(_logits(reloaded.eval()), _logits(original), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "targets, canonical",
+    [
+        (["q_proj", "v_proj"], {"q_proj", "v_proj"}),
+        (["qkv_proj", "gate_up_proj"], {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}),
+        ("all-linear", set(ALL)),
+    ],
+)
+def test_lora_training_by_original_or_fused_names_saves_canonically(checkpoint, tmp_path, targets, canonical):
+    path, original_class, fused_class = _base(checkpoint, "llama")
+    model = _sgd_step(get_peft_model(fused_class.from_pretrained(path), LoraConfig(r=4, target_modules=targets)))
+    qkv = model.base_model.model.model.layers[0].self_attn.qkv_proj
+    b = qkv.lora_B["default"]
+    assert torch.count_nonzero(b.weight) and not torch.count_nonzero(b.weight.masked_fill(b.mask, 0))
+    model.save_pretrained(tmp_path / "trained")
+    saved = json.loads((tmp_path / "trained" / "adapter_config.json").read_text())
+    assert {name.rpartition(".")[2] for name in saved["target_modules"]} == canonical
+    assert {key.split(".")[-3] for key in _lora_keys(tmp_path / "trained")} == canonical
+    reloaded = PeftModel.from_pretrained(original_class.from_pretrained(path), tmp_path / "trained")
+    torch.testing.assert_close(_logits(reloaded.eval()), _logits(model), rtol=0, atol=TOLERANCE)
+
+
+def test_merge_and_unload_gives_the_adapted_outputs(checkpoint, tmp_path):
+    path, original_class, fused_class = _base(checkpoint, "qwen2")
+    adapter, expected = _adapter(tmp_path, original_class, path, target_modules=["k_proj", "gate_proj"])
+    merged = PeftModel.from_pretrained(fused_class.from_pretrained(path), adapter).merge_and_unload()
+    assert type(merged.model.layers[0].self_attn.qkv_proj).__name__ == "MergedColumnLinear"
+    torch.testing.assert_close(_logits(merged.eval()), expected, rtol=0, atol=TOLERANCE)
+
+
+def test_importing_a_generated_file_does_not_import_peft_but_arms_it():
+    code = (
+        "import sys, generated.fused_llama\n"
+        "assert 'peft' not in sys.modules\n"
+        "from peft.tuners.tuners_utils import BaseTuner\n"
+        "assert BaseTuner.inject_adapter._fusegen\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Canonical checkpoints and pipelines
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_saved_config_names_the_original_architecture(checkpoint, tmp_path, model_type):
+    path, original_class, fused_class = _base(checkpoint, model_type)
+    fused = fused_class.from_pretrained(path)
+    fused.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["architectures"] == [original_class.__name__]
+    # The fused class loads a config naming either class, with the same weights.
+    config["architectures"] = [fused_class.__name__]
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
+    for directory in (path, tmp_path / "saved"):
+        torch.testing.assert_close(_logits(fused_class.from_pretrained(directory).eval()), _logits(fused.eval()))
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0", eos_token="w1", pad_token="w2")
+
+
+def test_text_generation_pipeline_logs_no_error(caplog):
+    from transformers import pipeline
+
+    fused = random_model(FusedLlamaForCausalLM, tiny_config(LlamaConfig))
+    logging.getLogger("transformers").addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="transformers"):
+            generator = pipeline("text-generation", model=fused, tokenizer=_tokenizer())
+            generator("w3 w4", max_new_tokens=2, do_sample=False)
+    finally:
+        logging.getLogger("transformers").removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    # ...and original models still load as themselves.
+    assert type(AutoModelForCausalLM.from_config(tiny_config(LlamaConfig))) is LlamaForCausalLM
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Remote code: fusegen export
+# --------------------------------------------------------------------------------------------------------------------
+
+REMOTE_LOAD = """
+import sys, torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+fused = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+original = LlamaForCausalLM.from_pretrained(sys.argv[2]).eval()
+ids = torch.tensor([[1, 5, 9, 42, 7]])
+with torch.no_grad():
+    print(type(fused).__name__, (fused(ids).logits - original(ids).logits).abs().max().item())
+"""
+BLOCK_FUSEGEN = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "fusegen" or name.startswith("fusegen."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _export(checkpoint, tmp_path):
+    from fusegen.cli import main
+
+    path, _, _ = _base(checkpoint, "llama")
+    assert main(["export", str(path), str(tmp_path / "remote"), "--model", "llama"]) == 0
+    return path, tmp_path / "remote"
+
+
+def _run(code, *args, tmp_path):
+    env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, check=False
+    )
+
+
+def test_export_loads_as_the_fused_class_with_trust_remote_code(checkpoint, tmp_path):
+    path, remote = _export(checkpoint, tmp_path)
+    config = json.loads((remote / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["auto_map"] == {"AutoModelForCausalLM": "fused_llama.FusedLlamaForCausalLM"}
+    result = _run(REMOTE_LOAD, remote, path, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    name, diff = result.stdout.split()
+    assert name == "FusedLlamaForCausalLM" and float(diff) <= TOLERANCE
+
+
+def test_export_without_fusegen_installed_names_the_package(checkpoint, tmp_path):
+    path, remote = _export(checkpoint, tmp_path)
+    result = _run(BLOCK_FUSEGEN + REMOTE_LOAD, remote, path, tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert "pip install fusegen" in result.stderr.splitlines()[-1], result.stderr[-2000:]
+
+
+def test_export_bad_input_exits_2_and_writes_nothing(checkpoint, tmp_path, capsys):
+    from fusegen.cli import main
+
+    path, remote = _export(checkpoint, tmp_path)
+    before = sorted(p.name for p in remote.iterdir())
+    cases = [
+        ([str(path), str(remote), "--model", "llama"], "not an empty directory"),
+        ([str(path), str(tmp_path / "b"), "--model", "qwen2"], "not 'qwen2'"),
+        ([str(tmp_path / "missing"), str(tmp_path / "c"), "--model", "llama"], "no config.json"),
+        ([str(path), str(tmp_path / "d"), "--model", "nosuchmodel"], "fusegen build nosuchmodel"),
+    ]
+    for argv, message in cases:
+        assert main(["export", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert sorted(p.name for p in remote.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["original", "remote"]
