@@ -377,6 +377,9 @@ def init_fused_parallel_plans(model: PreTrainedModel, tp_plan: Mapping[str, str]
     PreTrainedModel.init_parallel_plans(model)
     if model.base_model is not model:
         return
+    from .quant import prepare_quantized
+
+    prepare_quantized(model)  # built here because this is the base model's build hook (no TP involved)
     requested = _tensor_parallel_requested(model.config)
     if tp_plan is None:
         if requested:
