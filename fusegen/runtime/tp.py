@@ -37,8 +37,12 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter
-from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+try:  # Transformers >= 5.21 keeps the style registry in parallel_utils, 5.20 in tensor_parallel
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, _AllReduceBackward
+except ImportError:
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, _AllReduceBackward
 
 from .checkpoint import MergedColumnConcatenate, MergedColumnSplit, _find_merged_linear, _tensors_of
 
@@ -211,7 +215,6 @@ class MergedColumnParallel(TensorParallelLayer):
 
     def transform_inputs_pre_forward(self, module, args, kwargs, mesh):
         from torch.distributed.tensor import DTensor, Replicate
-        from transformers.distributed.parallel_utils import _AllReduceBackward
 
         x = args[0]
         if isinstance(x, DTensor):
