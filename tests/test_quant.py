@@ -147,12 +147,27 @@ def test_pre_quantized_checkpoint_of_the_original_is_refused(saved, tmp_path, sc
     logger = logging.getLogger("transformers")
     logger.addHandler(records)
     try:
-        with pytest.raises(RuntimeError):
+        # Transformers raises RuntimeError after logging its load report; a strict loader may raise ValueError first.
+        with pytest.raises((RuntimeError, ValueError)) as raised:
             FusedLlamaForCausalLM.from_pretrained(tmp_path)
     finally:
         logger.removeHandler(records)
-    report = "\n".join(records.messages)
+    report = "\n".join([*records.messages, str(raised.value)])
     assert "the checkpoint holds pre-quantized pieces (bitsandbytes" in report, report[-2000:]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="loads with qkv_proj/gate_up_proj left random: Transformers drops the renamed torchao pieces as unexpected "
+    "before any converter sees them; refused by the strict from_pretrained of the `loading` branch",
+)
+def test_pre_quantized_torchao_checkpoint_of_the_original_is_refused(saved, tmp_path):
+    original = LlamaForCausalLM.from_pretrained(
+        saved["llama"], quantization_config=SCHEMES["torchao-int8-weight-only"]()
+    )
+    original.save_pretrained(tmp_path)
+    with pytest.raises((RuntimeError, ValueError), match="qkv_proj"):
+        FusedLlamaForCausalLM.from_pretrained(tmp_path)
 
 
 def test_bnb_8bit_fused_model_saves_what_the_original_loads(saved, tmp_path):
