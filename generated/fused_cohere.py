@@ -12,6 +12,18 @@ Loads and saves the canonical cohere checkpoint layout; STACKED_PARAMS_MAPPING s
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.cohere.modeling_cohere:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.cohere.modeling_cohere",
+    "34864b8dc73b83712af3e4801a5906df097072960408f95c571fa50363d53bef",
+    built_with="5.24.0",
+    target="cohere",
+    generated=__name__,
+)
+
 import torch
 from torch import nn
 from transformers.models.cohere.modeling_cohere import (

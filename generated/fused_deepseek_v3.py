@@ -13,6 +13,18 @@ Loads and saves the canonical deepseek_v3 checkpoint layout; STACKED_PARAMS_MAPP
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.deepseek_v3.modeling_deepseek_v3:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.deepseek_v3.modeling_deepseek_v3",
+    "0d3b525a22455e77f9aa582e9cbbb2ed8be283401d22d4fa755e0738e2438106",
+    built_with="5.24.0",
+    target="deepseek_v3",
+    generated=__name__,
+)
+
 import torch
 import transformers.initialization as init
 from torch import nn

@@ -12,6 +12,18 @@ Loads and saves the canonical gemma3_text checkpoint layout; STACKED_PARAMS_MAPP
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.gemma3.modeling_gemma3:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.gemma3.modeling_gemma3",
+    "d86d2520cb69e99b9b48e326d65172bd87d1043cf4a055f6fd0dc67036102846",
+    built_with="5.24.0",
+    target="gemma3_text",
+    generated=__name__,
+)
+
 import torch
 import transformers.initialization as init
 from torch import nn

@@ -12,6 +12,18 @@ Loads and saves the canonical granite checkpoint layout; STACKED_PARAMS_MAPPING 
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.granite.modeling_granite:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.granite.modeling_granite",
+    "a3a2cf9347e9e73b132309eda39dc03f6819a5f9699b59b8983702ac1f01baf5",
+    built_with="5.24.0",
+    target="granite",
+    generated=__name__,
+)
+
 import torch
 from torch import nn
 from transformers.models.granite.modeling_granite import (

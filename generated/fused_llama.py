@@ -12,6 +12,18 @@ Loads and saves the canonical llama checkpoint layout; STACKED_PARAMS_MAPPING sa
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.llama.modeling_llama:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.llama.modeling_llama",
+    "372c7cbc56a0d265b43ab5acf96b0e3bc4cdd01010ef64106558206e51258432",
+    built_with="5.24.0",
+    target="llama",
+    generated=__name__,
+)
+
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import (

@@ -12,6 +12,18 @@ Loads and saves the canonical mistral checkpoint layout; STACKED_PARAMS_MAPPING 
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.mistral.modeling_mistral:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.mistral.modeling_mistral",
+    "28da84fbf15a182ed8dd0288035678d77ba0cdb263269f876e7c809e3f57d265",
+    built_with="5.24.0",
+    target="mistral",
+    generated=__name__,
+)
+
 import torch
 from torch import nn
 from transformers.models.mistral.modeling_mistral import (

@@ -11,6 +11,18 @@ Loads and saves the canonical mixtral checkpoint layout; STACKED_PARAMS_MAPPING 
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.mixtral.modeling_mixtral:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.mixtral.modeling_mixtral",
+    "fd6f8d14ccbf491387ebc04a850821a7fbc069c3f5edd30a8e4a6da6be9429b9",
+    built_with="5.24.0",
+    target="mixtral",
+    generated=__name__,
+)
+
 import torch
 import transformers.initialization as init
 from torch import nn

@@ -12,6 +12,18 @@ Loads and saves the canonical olmo2 checkpoint layout; STACKED_PARAMS_MAPPING sa
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.olmo2.modeling_olmo2:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.olmo2.modeling_olmo2",
+    "b679f8de01ac1e645792be6e5d0351ecef010838e0973e3d51a0de362875bfe1",
+    built_with="5.24.0",
+    target="olmo2",
+    generated=__name__,
+)
+
 import torch
 from torch import nn
 from transformers.models.olmo2.modeling_olmo2 import (

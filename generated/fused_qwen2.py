@@ -12,6 +12,18 @@ Loads and saves the canonical qwen2 checkpoint layout; STACKED_PARAMS_MAPPING sa
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.qwen2.modeling_qwen2:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.qwen2.modeling_qwen2",
+    "58048bfa2fa4687e0222b41912fde6b439f50c009ee61d18d696daad01222095",
+    built_with="5.24.0",
+    target="qwen2",
+    generated=__name__,
+)
+
 import torch
 from torch import nn
 from transformers.models.qwen2.modeling_qwen2 import (

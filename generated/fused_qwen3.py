@@ -12,6 +12,18 @@ Loads and saves the canonical qwen3 checkpoint layout; STACKED_PARAMS_MAPPING sa
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.qwen3.modeling_qwen3:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.qwen3.modeling_qwen3",
+    "49acd3901cf143ef59bdedecde6dde2389b3b2b36e82edfda7d0bd8e2f2b14d4",
+    built_with="5.24.0",
+    target="qwen3",
+    generated=__name__,
+)
+
 import torch
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import (

@@ -11,6 +11,18 @@ Loads and saves the canonical qwen3_moe checkpoint layout; STACKED_PARAMS_MAPPIN
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.qwen3_moe.modeling_qwen3_moe:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "dc3c5db0fef900d7ca3b3b9d9abb143871403e14524baf3cc11121892fe12d88",
+    built_with="5.24.0",
+    target="qwen3_moe",
+    generated=__name__,
+)
+
 import torch
 import transformers.initialization as init
 from torch import nn

@@ -11,6 +11,18 @@ Loads and saves the canonical starcoder2 checkpoint layout; STACKED_PARAMS_MAPPI
 which checkpoint tensors make up each merged linear, in row order.
 """
 
+from fusegen.runtime.version import check_source
+
+# Before importing from transformers.models.starcoder2.modeling_starcoder2:
+# raises if the installed source of it is not the one this file was built from.
+check_source(
+    "transformers.models.starcoder2.modeling_starcoder2",
+    "5ffc4244a732035b0e9a27fa76f566025231e44827a84cefb031b9696abe111e",
+    built_with="5.24.0",
+    target="starcoder2",
+    generated=__name__,
+)
+
 import torch
 from torch import nn
 from transformers.models.starcoder2.modeling_starcoder2 import (

@@ -29,6 +29,7 @@ from fusegen.runtime.tp import (
     MERGED_COLWISE,
     PartitionedSplit,
     RowPartition,
+    _unblock,
     check_head_counts,
     fused_plan_from,
     partition_rows,
@@ -54,6 +55,7 @@ CASES = {
         "qwen2-mqa-tied": ("qwen2", {"num_key_value_heads": 1, "tie_word_embeddings": True}, "compare"),
         "llama-gqa-plain": ("llama", {"num_key_value_heads": 2}, "plain"),  # Transformers' own TP, for reference
         "llama-gqa-save": ("llama", {"num_key_value_heads": 2}, "save"),
+        "qwen2-gqa-honest": ("qwen2", {"num_key_value_heads": 2}, "honest"),  # q/k/v biases
         "heads-3": ("llama", {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}, "error"),
         "kv-heads-3": ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, "error"),
     },
@@ -167,6 +169,60 @@ def _save(model_type, path, out):
     return {"round_trip": same, "loading_info": {k: sorted(map(str, v)) for k, v in info.items() if v}}
 
 
+def _grads(model, input_ids):
+    model.zero_grad()
+    model(input_ids, labels=input_ids).loss.backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _honest(model_type, path, out):
+    """Placements say what each rank holds: full_tensor() and gradients equal the single-process model's, and a
+    distributed checkpoint round-trips and holds the canonical q/k/v."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    original_class, fused_class = _classes(model_type)
+    tp = fused_class.from_pretrained(path, tp_plan="auto")
+    single = fused_class.from_pretrained(path)
+    input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    merged = [name for name, _ in single.named_parameters() if "qkv_proj" in name or "gate_up_proj" in name]
+    tp_params, single_params = dict(tp.named_parameters()), dict(single.named_parameters())
+    result = {
+        "placements": sorted({repr(tp_params[name].placements[0]).partition("(")[0] for name in merged}),
+        "full_tensor_exact": all(torch.equal(tp_params[n].full_tensor(), single_params[n]) for n in merged),
+    }
+    tp_grads, single_grads = _grads(tp, input_ids), _grads(single, input_ids)
+    result["grad_names_equal"] = sorted(tp_grads) == sorted(single_grads)
+    result["grad_max_diff"] = max((_full(tp_grads[n]) - single_grads[n]).abs().max().item() for n in single_grads)
+    result["merged_grad_max_diff"] = max((_full(tp_grads[n]) - single_grads[n]).abs().max().item() for n in merged)
+    checkpoint = f"{out}-dcp"
+    dcp.save(tp.state_dict(), checkpoint_id=checkpoint)
+    fresh = fused_class.from_pretrained(path, tp_plan="auto")
+    with torch.no_grad():
+        for name, parameter in fresh.named_parameters():
+            if name in merged:
+                parameter.to_local().zero_()
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint)
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        result["dcp_reload_vs_tp"] = (fresh(input_ids).logits - tp(input_ids).logits).abs().max().item()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(checkpoint, f"{out}-dcp.pt")
+        saved = torch.load(f"{out}-dcp.pt", weights_only=True)
+        expected = original_class.from_pretrained(path).state_dict()
+        result["dcp_keys_canonical"] = sorted(saved) == sorted(expected)
+        result["dcp_tensors_exact"] = all(torch.equal(saved[k], expected[k]) for k in expected if k in saved)
+    return result
+
+
 def _error(model_type, path):
     _, fused_class = _classes(model_type)
     try:
@@ -181,6 +237,8 @@ def _run_case(model_type, path, how, out):
         return _save(model_type, path, out)
     if how == "error":
         return _error(model_type, path)
+    if how == "honest":
+        return _honest(model_type, path, out)
     return _compare(model_type, path, how)
 
 
@@ -334,6 +392,18 @@ def test_tp_model_saves_the_canonical_checkpoint(launched):
     assert per_rank[0] == {"round_trip": True, "loading_info": {}}
 
 
+def test_tp_placements_describe_what_each_rank_holds(launched):
+    """full_tensor() is the single-process merged weight; gradients match it; DCP writes canonical q/k/v."""
+    _, per_rank = _results(launched, 2, "qwen2-gqa-honest")
+    for rank, result in enumerate(per_rank):
+        print(f"N=2 qwen2-gqa honest rank {rank}: {json.dumps(result)}")
+        assert result["placements"] == ["MergedRowShard"], result
+        assert result["full_tensor_exact"] and result["grad_names_equal"], result
+        assert result["merged_grad_max_diff"] <= TOLERANCE and result["grad_max_diff"] <= TOLERANCE, result
+        assert result["dcp_reload_vs_tp"] <= TOLERANCE, result
+    assert per_rank[0]["dcp_keys_canonical"] and per_rank[0]["dcp_tensors_exact"], per_rank[0]
+
+
 @pytest.mark.parametrize(("world_size", "name"), _cases("error"))
 def test_unshardable_head_counts_fail_with_a_clear_error(launched, world_size, name):
     (_, path, _), per_rank = _results(launched, world_size, name)
@@ -424,16 +494,22 @@ def _split(model, tensor):
     )
 
 
-def test_saving_reassembles_gathered_blocks_into_q_k_v():
+def test_saving_splits_the_gathered_merged_tensor_into_q_k_v():
+    # full_tensor() of a MergedRowShard parameter is the true [q; k; v], whatever the rank's local blocks.
     model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
     qkv = model.model.layers[0].self_attn.qkv_proj
     q, k, v = torch.randn(64, 3), torch.randn(32, 3), torch.randn(32, 3)
-    blocks = [
-        torch.cat([q[r * 32 : (r + 1) * 32], k[r * 16 : (r + 1) * 16], v[r * 16 : (r + 1) * 16]]) for r in (0, 1)
-    ]
     qkv.tp_partition = RowPartition((64, 32, 32), (0, 0, 0), (32, 16, 16), 2, 0)
-    pieces = _split(model, torch.cat(blocks))
+    pieces = _split(model, torch.cat([q, k, v]))
     assert all(torch.equal(pieces[f"self_attn.{n}_proj"], t) for n, t in zip("qkv", (q, k, v)))
+
+
+def test_unblock_reorders_rank_blocks_into_pieces():
+    q, k, v = torch.arange(8.0), torch.arange(8.0, 12.0), torch.arange(12.0, 16.0)
+    blocks = torch.cat(
+        [torch.cat([q[r * 4 : (r + 1) * 4], k[r * 2 : (r + 1) * 2], v[r * 2 : (r + 1) * 2]]) for r in (0, 1)]
+    )
+    assert torch.equal(_unblock(blocks, (8, 4, 4), 2), torch.cat([q, k, v]))
 
 
 def test_saving_refuses_replicated_kv_heads():

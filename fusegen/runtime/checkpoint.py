@@ -36,6 +36,8 @@ from transformers.core_model_loading import ConversionOps, WeightConverter
 
 from .streaming import PreallocatedConcatenate
 
+from .quant import check_quantized_pieces, check_quantized_save
+
 # Checkpoint names are used as regexes by Transformers; restricting them to dotted identifiers means no character in
 # them can act as a regex operator (a `.` matching any char is harmless between identifiers).
 _NAME_RE = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
@@ -99,6 +101,7 @@ class MergedColumnConcatenate(PreallocatedConcatenate):
         model: nn.Module | None = None,
         **kwargs,
     ) -> dict[str, torch.Tensor]:
+        check_quantized_pieces(input_dict, full_layer_name, model)
         pieces = [t.shape[self.dim] for p in source_patterns if p in input_dict for t in _tensors_of(input_dict[p])]
         merged = _find_merged_linear(model, full_layer_name)
         if merged is not None and pieces != list(merged.output_sizes):
@@ -106,7 +109,11 @@ class MergedColumnConcatenate(PreallocatedConcatenate):
                 f"{full_layer_name}: checkpoint pieces have sizes {pieces} along dim {self.dim}, "
                 f"but the merged module expects output_sizes={merged.output_sizes}"
             )
-        return super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+        # A one-element list, as Transformers' loader hands a plain checkpoint tensor on: its quantize ops then
+        # receive the merged tensor as they receive any other (optimum-quanto's takes `value[0]`, which of a bare
+        # tensor would be its first row); the loader unwraps it when no quantize op follows.
+        merged_tensors = super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+        return {key: [value] for key, value in merged_tensors.items()}
 
     @property
     def reverse_op(self) -> ConversionOps:
@@ -144,7 +151,12 @@ class MergedColumnSplit(ConversionOps):
         if merged is None:
             raise ValueError(f"Cannot find the merged linear owning {full_layer_name!r}; need it for its output_sizes")
         sizes = list(merged.output_sizes)
-        if len(sizes) != len(target_patterns) or sum(sizes) != tensor.shape[self.dim]:
+        check_quantized_save(model, full_layer_name, tensor, sizes)
+        if tensor.dim() == 0 and getattr(model, "is_quantized", False):
+            # A quantized linear's scalar state (bitsandbytes' `weight_format`) describes every row alike; schemes
+            # with a per-tensor scale are refused before loading (fusegen.runtime.quant), so none is one.
+            return {target: tensor.clone() for target in target_patterns}
+        if len(sizes) != len(target_patterns) or tensor.dim() == 0 or sum(sizes) != tensor.shape[self.dim]:
             raise ValueError(
                 f"{full_layer_name}: cannot split a tensor of size {tensor.shape[self.dim]} into {target_patterns} "
                 f"with output_sizes={sizes}"

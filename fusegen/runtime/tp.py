@@ -18,16 +18,22 @@ The pieces, for a generated file with a `TP_PLAN`:
 - `MergedColumnParallel` (on each merged linear) replaces its weight and bias by this process's rows of each piece,
   sets `output_sizes` to the local piece sizes (the generated forward splits by it), and keeps inputs and outputs local.
 
+The merged parameters' placement, `MergedRowShard`, says what each process holds (its rows of every piece), so
+`full_tensor()`, gradients and saving see the true merged weight; `model.state_dict()` lists the canonical pieces as
+`Shard(0)` DTensors for distributed checkpointing (`_canonical_state_dict`).
+
 Loading reads only each process's slices where the layout allows: Transformers' shard-on-read slices every checkpoint
-tensor by the placement of the parameter it feeds, one piece at a time, so a `Shard(0)` merged parameter gets exactly
-rows `[r*n, (r+1)*n)` of q, of k and of v. Replicated kv heads cannot be expressed as a placement; such a `qkv_proj`
-is read whole (one layer at a time) and `PartitionedConcatenate` keeps this process's rows.
+tensor by the placement of the parameter it feeds, one piece at a time, and `MergedRowShard` reads as `Shard(0)`, so
+the merged parameter gets exactly rows `[r*n, (r+1)*n)` of q, of k and of v. Replicated kv heads cannot be expressed
+as a placement; such a `qkv_proj` is read whole (one layer at a time) and `PartitionedConcatenate` keeps this
+process's rows.
 
 This module is imported when a fused model is first built, not when a generated file is imported.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +43,12 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter
-from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+try:  # Transformers >= 5.21 keeps the style registry in parallel_utils, 5.20 in tensor_parallel
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, _AllReduceBackward
+except ImportError:
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, _AllReduceBackward
 
 from .checkpoint import MergedColumnConcatenate, MergedColumnSplit, _find_merged_linear, _tensors_of
 
@@ -211,7 +221,6 @@ class MergedColumnParallel(TensorParallelLayer):
 
     def transform_inputs_pre_forward(self, module, args, kwargs, mesh):
         from torch.distributed.tensor import DTensor, Replicate
-        from transformers.distributed.parallel_utils import _AllReduceBackward
 
         x = args[0]
         if isinstance(x, DTensor):
@@ -236,14 +245,77 @@ def _partition(module: nn.Module, mesh) -> RowPartition:
     return partition
 
 
-def _local_dtensor(tensor: torch.Tensor, partition: RowPartition, mesh):
-    """This process's rows as a DTensor: `Shard(0)` when the loader can read them by placement, else `Replicate`.
+def _merged_row_shard_class():
+    """`MergedRowShard`, defined on first use (torch.distributed may be unavailable when this module is imported)."""
+    global _MERGED_ROW_SHARD
+    if _MERGED_ROW_SHARD is not None:
+        return _MERGED_ROW_SHARD
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import Shard
 
-    A meta tensor (inside `from_pretrained`) becomes a meta placeholder of the local shape; a real one (already loaded)
-    keeps its own rows. The `Shard(0)` DTensor's global view stacks the processes' blocks ([q0 k0 v0 q1 k1 v1]), not
-    the checkpoint's [q k v]: only its local tensor and its placement (for reading) are used.
+    class MergedRowShard(Shard):
+        """Placement of a merged linear's weight (or bias) under tensor parallelism: what each process really holds.
+
+        The global tensor is the true merged weight `[p_0; p_1; ...]` (pieces of `full_sizes` rows, e.g. q, k, v);
+        process r of N holds block r of every piece, stacked: `[p_0 block r; p_1 block r; ...]`. No built-in
+        placement says that (`Shard(0)` would mean rows `[r*n, (r+1)*n)` of the merged tensor; `_StridedShard` only
+        fits equal pieces), so gathering (`full_tensor()`, redistributing to `Replicate`, saving) re-orders the
+        gathered blocks piece by piece; gradients and optimizer states share the parameter's placement.
+
+        It compares equal to `Shard(0)` on purpose: DTensor validates shard placements against `Shard(dim)`, and
+        Transformers' loader must read each checkpoint piece as `Shard(0)` (block r of q, of k, of v), which is
+        exactly this layout. The hash differs, so DTensor's caches keep the two apart. Distributed checkpointing
+        sees the canonical pieces instead, see `_canonical_state_dict`.
+        """
+
+        def __init__(self, full_sizes):
+            super().__init__(0)
+            self.full_sizes = tuple(int(size) for size in full_sizes)
+
+        def __eq__(self, other):
+            if type(other) is type(self):
+                return other.full_sizes == self.full_sizes
+            return type(other) is Shard and other.dim == self.dim
+
+        def __hash__(self):
+            return hash(("fusegen.MergedRowShard", self.full_sizes))
+
+        def __repr__(self):
+            return f"MergedRowShard(full_sizes={list(self.full_sizes)})"
+
+        def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
+            count = mesh.size(mesh_dim=mesh_dim)
+            gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=0, group=(mesh, mesh_dim))
+            return _unblock(gathered, self.full_sizes, count)
+
+    _MERGED_ROW_SHARD = MergedRowShard
+    return MergedRowShard
+
+
+_MERGED_ROW_SHARD = None
+
+
+def _unblock(gathered: torch.Tensor, full_sizes: Sequence[int], world_size: int) -> torch.Tensor:
+    """The processes' blocks one after the other (`[q0 k0 v0 q1 k1 v1]`) -> the merged tensor (`[q k v]`).
+
+    Valid for evenly split pieces only (each process holds `full // N` rows of each), which is when
+    `MergedRowShard` is used.
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    local_sizes = [size // world_size for size in full_sizes]
+    blocks = [block.split(local_sizes, dim=0) for block in gathered.split(sum(local_sizes), dim=0)]
+    return torch.cat([block[piece] for piece in range(len(local_sizes)) for block in blocks], dim=0)
+
+
+def _local_dtensor(tensor: torch.Tensor, partition: RowPartition, mesh):
+    """This process's rows as a DTensor whose placement says what it holds.
+
+    Evenly split pieces: `MergedRowShard` (global view = the true merged tensor, so `full_tensor()` is it). Replicated
+    kv heads (fewer kv heads than processes) are marked `Replicate`, which is exact for the kv rows but not for q;
+    such models cannot be saved or checkpointed from several processes (refused in `PartitionedSplit`).
+    A meta tensor (inside `from_pretrained`) becomes a meta placeholder of the local shape; a real one (already
+    loaded) keeps its own rows.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
 
     rows = sum(partition.sizes)
     if tensor.is_meta:
@@ -251,12 +323,86 @@ def _local_dtensor(tensor: torch.Tensor, partition: RowPartition, mesh):
     else:
         local = torch.cat([tensor.detach().narrow(0, start, size) for start, size in partition.merged_rows()])
     if partition.shard_on_read:
-        shape = (rows * partition.world_size, *tensor.shape[1:])
-        placement = Shard(0)
+        shape = (sum(partition.full_sizes), *tensor.shape[1:])
+        placement = _merged_row_shard_class()(partition.full_sizes)
     else:
         shape, placement = tuple(local.shape), Replicate()
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, [placement], run_check=False, shape=shape, stride=stride)
+
+
+def _canonical_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """State-dict hook of a tensor-parallel merged linear: its tensors as the canonical pieces, each `Shard(0)`.
+
+    Distributed checkpointing (torch.distributed.checkpoint) describes each process's data as one box of the
+    global tensor, which the merged layout is not (block r of q, of k, of v). Each piece's block IS one box of the
+    piece, so `dcp.save(model.state_dict())` writes the checkpoint's own q/k/v tensors, and `dcp.load` fills the
+    pieces in place (they are views of the merged parameter). Only for evenly split, materialised parameters.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    partition = getattr(module, "tp_partition", None)
+    pieces = getattr(module, "tp_piece_names", None)
+    if partition is None or not partition.shard_on_read or not pieces:
+        return
+    owner = prefix[:-1].rpartition(".")[0]
+    for leaf in ("weight", "bias"):
+        value = state_dict.get(prefix + leaf)
+        if not isinstance(value, DTensor) or value.is_meta:
+            continue
+        local, offset = value.to_local(), 0
+        del state_dict[prefix + leaf]
+        for name, full, size in zip(pieces, partition.full_sizes, partition.sizes):
+            view = local.narrow(0, offset, size)
+            shape = (full, *local.shape[1:])
+            state_dict[f"{owner}.{name}.{leaf}" if owner else f"{name}.{leaf}"] = DTensor.from_local(
+                view,
+                value.device_mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=shape,
+                stride=torch.empty(shape, device="meta").stride(),
+            )
+            offset += size
+
+
+def _merged_from_canonical(attribute, owner, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    """Load-state-dict pre-hook of the module owning merged linear `attribute`, the inverse of
+    `_canonical_state_dict`: canonical pieces are copied into their rows (registered on the owner because
+    `load_state_dict` hands each module only the keys under its own prefix)."""
+    module = getattr(owner, attribute, None)
+    partition = getattr(module, "tp_partition", None)
+    pieces = getattr(module, "tp_piece_names", None)
+    if partition is None or not partition.shard_on_read or not pieces:
+        return
+    for leaf in ("weight", "bias"):
+        keys = [f"{prefix}{name}.{leaf}" for name in pieces]
+        if not all(key in state_dict for key in keys):
+            continue
+        parameter = getattr(module, leaf)
+        with torch.no_grad():
+            local, offset = parameter.to_local(), 0
+            for key, size in zip(keys, partition.sizes):
+                value = state_dict.pop(key)
+                value = value.to_local() if hasattr(value, "to_local") else value
+                rows = local.narrow(0, offset, size)
+                if value.data_ptr() != rows.data_ptr():  # dcp.load into state_dict() views already wrote them
+                    rows.copy_(value)
+                offset += size
+        state_dict[f"{prefix}{attribute}.{leaf}"] = parameter
+
+
+def _register_canonical_hooks(model: nn.Module) -> None:
+    """`_canonical_state_dict` on each merged linear, `_merged_from_canonical` on its owner (once per module)."""
+    from functools import partial
+
+    for path, module in model.named_modules():
+        if getattr(module, "tp_piece_names", None) and not getattr(module, "_fusegen_tp_hooks", False):
+            owner_path, _, attribute = path.rpartition(".")
+            owner = model.get_submodule(owner_path) if owner_path else model
+            module._register_state_dict_hook(_canonical_state_dict)
+            owner._register_load_state_dict_pre_hook(partial(_merged_from_canonical, attribute), with_module=True)
+            module._fusegen_tp_hooks = True
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -293,8 +439,9 @@ class PartitionedConcatenate(MergedColumnConcatenate):
 class PartitionedSplit(MergedColumnSplit):
     """`MergedColumnSplit` for saving a tensor-parallel model, whose merged linears hold local `output_sizes`.
 
-    Transformers gathers each DTensor before saving; a `Shard(0)` merged parameter then arrives as the processes'
-    blocks one after the other ([q0 k0 v0 q1 k1 v1]), which this reassembles into the checkpoint's q, k and v.
+    Transformers gathers each DTensor (`full_tensor()`) before saving; a `MergedRowShard` merged parameter then
+    arrives as the true merged tensor, split here by the full piece sizes (not the local `output_sizes`). (The
+    state-dict hook usually hands the pieces over already split; this covers a merged tensor that still arrives.)
     Replicated kv heads arrive as one process's rows only (a `Replicate` DTensor gathers nothing), so saving them
     is refused rather than written wrong.
     """
@@ -314,9 +461,12 @@ class PartitionedSplit(MergedColumnSplit):
                 f"(N={partition.world_size}); save it from a single process instead"
             )
         tensor = _tensors_of(next(iter(input_dict.values())))[0]
-        blocks = [block.split(partition.sizes, dim=self.dim) for block in tensor.split(sum(partition.sizes), self.dim)]
-        pieces = [torch.cat([block[i] for block in blocks], dim=self.dim) for i in range(len(partition.sizes))]
-        return dict(zip(target_patterns, pieces))
+        if tensor.shape[self.dim] != sum(partition.full_sizes):
+            raise ValueError(
+                f"{full_layer_name}: gathered {list(tensor.shape)}, expected {sum(partition.full_sizes)} rows"
+            )
+        # `full_tensor()` of a MergedRowShard parameter is the true merged tensor: split it as a single process would.
+        return dict(zip(target_patterns, tensor.split(list(partition.full_sizes), dim=self.dim)))
 
     @property
     def reverse_op(self) -> ConversionOps:
@@ -377,6 +527,9 @@ def init_fused_parallel_plans(model: PreTrainedModel, tp_plan: Mapping[str, str]
     PreTrainedModel.init_parallel_plans(model)
     if model.base_model is not model:
         return
+    from .quant import prepare_quantized
+
+    prepare_quantized(model)  # built here because this is the base model's build hook (no TP involved)
     requested = _tensor_parallel_requested(model.config)
     if tp_plan is None:
         if requested:
@@ -390,9 +543,16 @@ def init_fused_parallel_plans(model: PreTrainedModel, tp_plan: Mapping[str, str]
     model._tp_plan = fused_tp_plan(model._tp_plan or {}, model.config.base_model_tp_plan, tp_plan)
     if requested:
         use_partitioned_concatenate(type(model).__name__)
+        stacked = getattr(sys.modules.get(type(model).__module__), "STACKED_PARAMS_MAPPING", None) or {}
         for path, module in model.named_modules():  # merged linears have no config to name the model in errors
             if getattr(module, "output_sizes", None) is not None:
                 module.tp_name = f"{_model_label(model.config)} ({path})"
+                pieces = stacked.get(path.rpartition(".")[2])
+                if pieces:  # canonical names for distributed checkpoints, see _canonical_state_dict
+                    module.tp_piece_names = [
+                        piece[0] if isinstance(piece, (tuple, list)) else piece for piece in pieces
+                    ]
+        _register_canonical_hooks(model)
 
 
 def fused_plan_from(
