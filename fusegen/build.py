@@ -24,6 +24,7 @@ from fusegen.render import render
 from fusegen.resolve import Target, resolve
 from fusegen.rewrite_init import MERGED_LINEAR
 from fusegen.runtime.tp import fused_plan_from
+from fusegen.trace import record_inputs
 
 REGISTER = "register_stacked_checkpoint"
 STREAM = "stream_weights"
@@ -82,12 +83,17 @@ def analyse(name: str) -> Analysis:
     target = resolve(name)
     model = instantiate(target)
     found = candidates(model)
-    results = {cls: analyse_class(cls, instance, vars(sys.modules[cls.__module__])) for cls, instance in found.items()}
+    inputs = record_inputs(model, list(found.values()))
+
+    def one(cls, instance, vetoes=None):
+        return analyse_class(cls, instance, vars(sys.modules[cls.__module__]), vetoes, inputs.get(id(instance)))
+
+    results = {cls: one(cls, instance) for cls, instance in found.items()}
     vetoes = _vetoes(model, [outcome for outcome, _ in results.values()])
     while vetoes:
         for cls, instance in found.items():
             if cls.__name__ in vetoes:
-                results[cls] = analyse_class(cls, instance, vars(sys.modules[cls.__module__]), vetoes[cls.__name__])
+                results[cls] = one(cls, instance, vetoes[cls.__name__])
         vetoes = _vetoes(model, [outcome for outcome, _ in results.values()])
     outcomes = [outcome for outcome, _ in results.values()]
     rewritten = {cls: classdef for cls, (_, classdef) in results.items() if classdef is not None}
