@@ -10,6 +10,8 @@ generated file holds a self-contained tree from the causal LM down.
 from __future__ import annotations
 
 import ast
+import copy
+import inspect
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -29,10 +31,104 @@ def fused_name(name: str) -> str:
 
 @dataclass
 class Emitted:
-    """A class statement to write into the generated file, and the module it came from."""
+    """A class statement to write into the generated file, and the module it came from.
 
-    classdef: ast.ClassDef
+    For a class table (see `ClassTable`) `classdef` is a module of statements: the table's fused copy.
+    """
+
+    classdef: ast.ClassDef | ast.Module
     module: ModuleType
+
+    @property
+    def lineno(self) -> int:
+        return getattr(self.classdef, "lineno", 0)
+
+
+def fused_names(emitted: dict[str, Emitted]) -> dict[str, str]:
+    """`{original name: fused name}` for everything emitted: `FusedX` for a class, `FUSED_X` for a table."""
+    return {
+        name: fused_name(name) if isinstance(item.classdef, ast.ClassDef) else f"{PREFIX.upper()}_{name}"
+        for name, item in emitted.items()
+    }
+
+
+@dataclass
+class ClassTable:
+    """A module-level dict literal whose values are classes: `ATTENTION_CLASSES = {"eager": XAttention, ...}`.
+
+    A model that builds `ATTENTION_CLASSES[config._attn_implementation](...)` reaches the fused class
+    only through a fused copy of the table, emitted with the classes that read it.
+    """
+
+    name: str
+    statement: ast.Assign
+    entries: dict[object, str]
+    """Each key and the name of the class it maps to."""
+    module: ModuleType
+
+    def fused_copy(self, built: set[str]) -> ast.Module:
+        """The table, keeping only entries whose class the analysed model builds (renamed later if fused).
+
+        A class the model never built was never analysed: it may hold the very
+        projections the stacked mapping merges (GPT-Neo's flash-attention class
+        inherits them), and loading a fused checkpoint into it would leave
+        weights unfilled. Its entry is left out, so selecting it fails loudly
+        (KeyError) instead, and a note in the file names it.
+        """
+        statement = copy.deepcopy(self.statement)
+        kept = [(key, value) for key, value in zip(statement.value.keys, statement.value.values) if value.id in built]
+        statement.value.keys = [key for key, _ in kept]
+        statement.value.values = [value for _, value in kept]
+        body: list[ast.stmt] = [statement]
+        left_out = {key: name for key, name in self.entries.items() if name not in built}
+        if left_out:
+            listed = ", ".join(f"{key!r} ({name})" for key, name in left_out.items())
+            note = f"Left out of {self.name}: {listed}; the analysed model never builds it, so it was not fused."
+            body.append(ast.Expr(ast.Constant(note)))
+        module = ast.Module(body=body, type_ignores=[])
+        module.lineno = self.statement.lineno
+        return module
+
+
+def class_tables(universe: list[type]) -> dict[str, ClassTable]:
+    """The class tables of the modules the model's classes come from, naming at least one of those classes.
+
+    Only a plain `NAME = {constant: ClassName, ...}` counts, and only when the
+    module's live object is that very dict (same keys, same classes): a table
+    built or changed at run time is not copied.
+    """
+    names = {cls.__name__ for cls in universe}
+    found: dict[str, ClassTable] = {}
+    for module in dict.fromkeys(sys.modules[cls.__module__] for cls in universe):
+        try:
+            tree = ast.parse(inspect.getsource(module))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for statement in tree.body:
+            table = _class_table(statement, module)
+            if table is not None and set(table.entries.values()) & names and table.name not in found:
+                found[table.name] = table
+    return found
+
+
+def _class_table(statement: ast.stmt, module: ModuleType) -> ClassTable | None:
+    if not (
+        isinstance(statement, ast.Assign)
+        and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Name)
+        and isinstance(statement.value, ast.Dict)
+        and all(isinstance(key, ast.Constant) for key in statement.value.keys)
+        and all(isinstance(value, ast.Name) for value in statement.value.values)
+    ):
+        return None
+    name = statement.targets[0].id
+    entries = {key.value: value.id for key, value in zip(statement.value.keys, statement.value.values)}
+    live = getattr(module, name, None)
+    if not isinstance(live, dict) or live.keys() != entries.keys():
+        return None
+    if not all(isinstance(live[key], type) and live[key] is getattr(module, cls, None) for key, cls in entries.items()):
+        return None
+    return ClassTable(name, statement, entries, module)
 
 
 def classes_to_emit(
@@ -47,6 +143,7 @@ def classes_to_emit(
     module's terms.
     """
     universe = _model_classes(target_module, model)
+    tables = class_tables(universe)
     by_name: dict[str, type] = {}
     for cls in [*rewritten, *universe]:
         if by_name.setdefault(cls.__name__, cls) is not cls:
@@ -70,6 +167,10 @@ def classes_to_emit(
             if not isinstance(classdef, Refused) and astutil.loaded_names(classdef) & set(emitted):
                 emitted[cls.__name__] = Emitted(classdef, sys.modules[cls.__module__])
                 changed = True
+        for name, table in tables.items():
+            if name not in emitted and set(table.entries.values()) & set(emitted):
+                emitted[name] = Emitted(table.fused_copy({cls.__name__ for cls in universe}), table.module)
+                changed = True
     for cls in universe:
         if isinstance(sources.get(cls.__name__), Refused) and _uses_any(cls, emitted):
             raise InputError(f"{cls.__name__} must be regenerated but {sources[cls.__name__].reason}")
@@ -80,21 +181,85 @@ def constructed_classes(emitted: dict[str, Emitted], root: str) -> set[str]:
     """Emitted classes the causal LM `root` can actually build: named in a method (not in a type check), or a base.
 
     A class picked out of a module-level table (`ATTENTION_CLASSES[kind](...)`)
-    or built through `AutoModel.from_config` is never named where it is built;
-    its fused copy would sit unused in the generated file (and type checks
-    renamed to it would stop matching the original that is built instead), so
-    its fusion is refused.
+    is reached through the table's fused copy, which the classes reading the
+    table are emitted with. A class built through `AutoModel.from_config` is
+    never named where it is built; its fused copy would sit unused in the
+    generated file (and type checks renamed to it would stop matching the
+    original that is built instead), so its fusion is refused.
     """
     reached = {root} if root in emitted else set()
     frontier = list(reached)
     while frontier:
         classdef = emitted[frontier.pop()].classdef
-        named = set().union(*(_built_names(stmt) for stmt in classdef.body if isinstance(stmt, ast.FunctionDef)))
-        bases = {base.id for base in classdef.bases if isinstance(base, ast.Name)}
+        if not isinstance(classdef, ast.ClassDef):  # a class table: every class it names can be built
+            named, bases = astutil.loaded_names(classdef), set()
+        else:
+            named = set().union(*(_built_names(stmt) for stmt in classdef.body if isinstance(stmt, ast.FunctionDef)))
+            bases = {base.id for base in classdef.bases if isinstance(base, ast.Name)}
         for name in (named | bases) & set(emitted) - reached:
             reached.add(name)
             frontier.append(name)
     return reached
+
+
+def unreachable_reasons(target_module: ModuleType, model: nn.Module, stray: set[str], root: str) -> dict[str, str]:
+    """For each class in `stray` (fused, but not reached from `root`), why the causal LM never builds the copy.
+
+    The modules above an instance of it are looked up in the model, nearest
+    first: one whose `__init__` calls `AutoModel.from_config(...)` picks the
+    class of what it builds from the config's type at run time, so no copy is
+    ever named there; otherwise the construction is one fusegen cannot follow.
+    """
+    universe = {cls.__name__: cls for cls in _model_classes(target_module, model)}
+    reasons = {}
+    for name in stray:
+        ancestors = _ancestors(model, name)
+        calls = [(owner, _from_config_call(universe.get(owner), attr)) for owner, attr in ancestors]
+        owner, call = next(((owner, call) for owner, call in calls if call is not None), (None, None))
+        if call is not None:
+            reasons[name] = (
+                f"{root} reaches it only through `{ast.unparse(call)}` in {owner}.__init__ (line {call.lineno}), "
+                "which picks the class from the config's type at run time, so a fused copy would never be used"
+            )
+        else:
+            builder = ancestors[0][0] if ancestors else "an unknown module"
+            reasons[name] = (
+                f"{root} never names this class where it is built (by {builder}), so a fused copy would never be used"
+            )
+    return reasons
+
+
+def _ancestors(model: nn.Module, name: str) -> list[tuple[str, str]]:
+    """(class, attribute holding the way down) of each module above the first instance of class `name`, nearest
+    first; containers (`ModuleList`) are skipped."""
+    for path, module in model.named_modules():
+        if type(module).__name__ != name or not path:
+            continue
+        parts = path.split(".")
+        found = []
+        for depth in range(len(parts) - 1, -1, -1):
+            parent = model.get_submodule(".".join(parts[:depth]))
+            if not isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                found.append((type(parent).__name__, parts[depth]))
+        return found
+    return []
+
+
+def _from_config_call(cls: type | None, attribute: str) -> ast.Call | None:
+    """The `<Auto class>.from_config(...)` call assigned to `self.<attribute>` in `cls`'s `__init__`, if any."""
+    if cls is None:
+        return None
+    try:
+        init = astutil.method(astutil.parse_class(cls), "__init__")
+    except Refused:
+        return None
+    for stmt in ast.walk(init) if init else []:
+        if not (isinstance(stmt, ast.Assign) and any(astutil.self_attr(t, attribute) for t in stmt.targets)):
+            continue
+        for node in ast.walk(stmt.value):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_config":
+                return node
+    return None
 
 
 def _built_names(function: ast.FunctionDef) -> set[str]:
@@ -122,7 +287,7 @@ def _definition_order(emitted: dict[str, Emitted], target_module: ModuleType) ->
         key=lambda name: (
             emitted[name].module is target_module,
             emitted[name].module.__name__,
-            emitted[name].classdef.lineno,
+            emitted[name].lineno,
         ),
     )
     needs = {name: _class_level_names(emitted[name].classdef) & set(emitted) - {name} for name in emitted}
@@ -138,6 +303,8 @@ def _definition_order(emitted: dict[str, Emitted], target_module: ModuleType) ->
 
 def _class_level_names(classdef: ast.ClassDef) -> set[str]:
     """Names evaluated when the class statement runs (bases, decorators, attributes), not in methods."""
+    if not isinstance(classdef, ast.ClassDef):  # a class table: its values are evaluated at import
+        return astutil.loaded_names(classdef)
     parts = [*classdef.bases, *classdef.keywords, *classdef.decorator_list]
     parts += [stmt for stmt in classdef.body if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))]
     return set().union(*(astutil.loaded_names(part) for part in parts)) if parts else set()
@@ -172,7 +339,7 @@ def rename_classes(classdef: ast.ClassDef, renames: dict[str, str]) -> None:
     Names, the class's own name, and string constants equal to a class name
     (`_no_split_modules = ["LlamaDecoderLayer"]`) are renamed.
     """
-    if classdef.name in renames:
+    if isinstance(classdef, ast.ClassDef) and classdef.name in renames:
         classdef.name = renames[classdef.name]
     for node in ast.walk(classdef):
         if isinstance(node, ast.Name) and node.id in renames:

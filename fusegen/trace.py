@@ -279,8 +279,9 @@ def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -
     The model runs in eval mode without gradients, with its config's other
     defaults (`use_cache` included); a forward that fails part-way (an op with
     no meta kernel, a data-dependent branch) still leaves the calls made
-    before the failure recorded, and modules not reached get no entry, so
-    their trace falls back to synthetic inputs. MoE experts run the
+    before the failure recorded, and the nested models are run next for what
+    is missing (see `_roots`). Modules not reached get no entry, so their
+    trace falls back to synthetic inputs. MoE experts run the
     `batched_mm` implementation, the one whose shapes do not depend on the
     routing (grouped kernels want bf16, the eager loop reads which experts
     were hit). Modes and configs are restored afterwards.
@@ -300,10 +301,10 @@ def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -
         for config, _ in experts:
             config._experts_implementation = "batched_mm"
         model.eval()
-        with torch.no_grad():
-            model(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"))
-    except Exception:  # noqa: BLE001 - upstream modeling code on meta; what was recorded is still right
-        pass
+        for root in _roots(model):
+            if all(id(module) in recorded for module in modules):
+                break
+            _run(root, length)
     finally:
         for handle in handles:
             handle.remove()
@@ -312,6 +313,33 @@ def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -
         for config, implementation in experts:
             config._experts_implementation = implementation
     return recorded
+
+
+def _roots(model: nn.Module) -> list[nn.Module]:
+    """The model, then each model nested in it that reads `input_ids` (a multimodal model's language model).
+
+    A wrapper whose own forward fails on meta (a mask helper calling `.item()`)
+    still lets its text model record the calls the wrapper would have made.
+    """
+    from transformers import PreTrainedModel
+
+    nested = [
+        module
+        for module in model.modules()
+        if module is not model
+        and isinstance(module, PreTrainedModel)
+        and "input_ids" in inspect.signature(type(module).forward).parameters
+    ]
+    return [model, *nested]
+
+
+def _run(root: nn.Module, length: int) -> None:
+    """One forward of `root` on meta `input_ids`; a failure just ends the recording there."""
+    try:
+        with torch.no_grad():
+            root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"))
+    except Exception:  # noqa: BLE001 - upstream modeling code on meta; what was recorded is still right
+        pass
 
 
 def _snapshot(recorded: Recorded) -> Recorded | None:

@@ -14,11 +14,16 @@ def test_checkpoint_that_already_stores_qkv_merged_is_refused():
     assert any(plan.merged == "gate_up_proj" for outcome in outcomes for plan in outcome.fused)
 
 
-def test_class_picked_from_a_class_table_is_refused_as_unreachable():
-    # GPTNeoAttention builds GPT_NEO_ATTENTION_CLASSES[...](...): a fused self-attention would never be used.
-    result = build("gpt_neo")
-    assert ("GPTNeoSelfAttention", "unreachable") in rules(result.outcomes)
-    assert result.text is None or "FusedGPTNeoSelfAttention" not in result.text
+def test_class_built_through_auto_model_from_config_is_refused_as_unreachable():
+    # Gemma4Model builds AutoModel.from_config(config.text_config): a fused text MLP would never be used.
+    result = build("gemma4")
+    refusals = {(o.class_name, r.rule): r.reason for o in result.outcomes for r in o.refused}
+    assert "`AutoModel.from_config(config.text_config)` in Gemma4Model.__init__" in refusals[
+        ("Gemma4TextMLP", "unreachable")
+    ]
+    assert result.text is None or "FusedGemma4TextMLP" not in result.text
+    # `report` (the analysis alone) says so too.
+    assert ("Gemma4TextMLP", "unreachable") in rules(analyse("gemma4").outcomes)
 
 
 def test_transformers_models_declare_themselves_library_code():
