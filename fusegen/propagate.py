@@ -54,7 +54,7 @@ def fused_names(emitted: dict[str, Emitted]) -> dict[str, str]:
 
 @dataclass
 class ClassTable:
-    """A module-level dict literal whose values are classes: `ATTENTION_CLASSES = {"eager": XAttention, ...}`.
+    """A module-level dict literal whose values are classes (or None): `ATTENTION_CLASSES = {"eager": XAttention}`.
 
     A model that builds `ATTENTION_CLASSES[config._attn_implementation](...)` reaches the fused class
     only through a fused copy of the table, emitted with the classes that read it.
@@ -76,7 +76,11 @@ class ClassTable:
         (KeyError) instead, and a note in the file names it.
         """
         statement = copy.deepcopy(self.statement)
-        kept = [(key, value) for key, value in zip(statement.value.keys, statement.value.values) if value.id in built]
+        kept = [
+            (key, value)
+            for key, value in zip(statement.value.keys, statement.value.values)
+            if not isinstance(value, ast.Name) or value.id in built
+        ]
         statement.value.keys = [key for key, _ in kept]
         statement.value.values = [value for _, value in kept]
         body: list[ast.stmt] = [statement]
@@ -88,6 +92,74 @@ class ClassTable:
         module = ast.Module(body=body, type_ignores=[])
         module.lineno = self.statement.lineno
         return module
+
+
+def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted: set[str]) -> bool:
+    """Rewrite `self.x = AutoModel.from_config(config.<field>)` in `__init__` to `T._from_config(config.<field>)`
+    where `T`, the class built there, is emitted, so the fused copy of `T` is named and built.
+
+    The two are the same call when the Auto class maps the config `cls` declares for `<field>` to `T`, and that
+    config has no text part `T` would be built from instead (what `from_config` adds for local code). Checked
+    against the class's `config_class.sub_configs` (so it holds for every config of the type, not just the one
+    built) and against each instance in the model; anything else is left as it is, and stays unreachable.
+    Returns whether a call was rewritten.
+    """
+    rewritten = False
+    init = astutil.method(classdef, "__init__")
+    instances = [module for module in model.modules() if type(module) is cls]
+    module = sys.modules[cls.__module__]
+    for stmt in ast.walk(init) if init and instances else []:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and astutil.self_attr(stmt.targets[0])):
+            continue
+        call = stmt.value
+        built = {type(getattr(instance, stmt.targets[0].attr, None)) for instance in instances}
+        if len(built) != 1 or not _is_auto_from_config(call, module):
+            continue
+        (built_class,) = built
+        if built_class.__name__ in emitted and _from_config_builds(call, cls, getattr(module, call.func.value.id)) is (
+            built_class
+        ):
+            call.func = ast.Attribute(ast.Name(built_class.__name__, ast.Load()), "_from_config", ast.Load())
+            rewritten = True
+    return rewritten
+
+
+def _is_auto_from_config(call: ast.expr, module: ModuleType) -> bool:
+    """`<Auto class>.from_config(config.<field>)`, the Auto class read from `module`."""
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    if not (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "from_config"
+        and isinstance(call.func.value, ast.Name)
+        and len(call.args) + len(call.keywords) == 1
+    ):
+        return False
+    auto = getattr(module, call.func.value.id, None)
+    return isinstance(auto, type) and issubclass(auto, _BaseAutoModelClass)
+
+
+def _from_config_builds(call: ast.Call, cls: type, auto: type) -> type | None:
+    """The class `auto.from_config(config.<field>)` builds in `cls.__init__(config)` for every config, or None."""
+    argument = call.args[0] if call.args else call.keywords[0].value
+    if call.keywords and call.keywords[0].arg != "config":
+        return None
+    if not (isinstance(argument, ast.Attribute) and isinstance(argument.value, ast.Name)):
+        return None
+    if argument.value.id != "config":
+        return None
+    declared = getattr(getattr(cls, "config_class", None), "sub_configs", {}).get(argument.attr)
+    if not isinstance(declared, type):
+        return None
+    try:
+        built = auto._model_mapping[declared]
+    except KeyError:
+        return None
+    text = getattr(declared, "sub_configs", {}).get("text_config")
+    if text is not None and getattr(built, "config_class", None) == text:
+        return None
+    return built
 
 
 def class_tables(universe: list[type]) -> dict[str, ClassTable]:
@@ -111,6 +183,10 @@ def class_tables(universe: list[type]) -> dict[str, ClassTable]:
     return found
 
 
+def _is_class_or_none(value: ast.expr) -> bool:
+    return isinstance(value, ast.Name) or (isinstance(value, ast.Constant) and value.value is None)
+
+
 def _class_table(statement: ast.stmt, module: ModuleType) -> ClassTable | None:
     if not (
         isinstance(statement, ast.Assign)
@@ -118,15 +194,18 @@ def _class_table(statement: ast.stmt, module: ModuleType) -> ClassTable | None:
         and isinstance(statement.targets[0], ast.Name)
         and isinstance(statement.value, ast.Dict)
         and all(isinstance(key, ast.Constant) for key in statement.value.keys)
-        and all(isinstance(value, ast.Name) for value in statement.value.values)
+        and all(_is_class_or_none(value) for value in statement.value.values)
     ):
         return None
     name = statement.targets[0].id
-    entries = {key.value: value.id for key, value in zip(statement.value.keys, statement.value.values)}
+    pairs = list(zip(statement.value.keys, statement.value.values))
+    entries = {key.value: value.id for key, value in pairs if isinstance(value, ast.Name)}
     live = getattr(module, name, None)
-    if not isinstance(live, dict) or live.keys() != entries.keys():
+    if not isinstance(live, dict) or list(live) != [key.value for key, _ in pairs]:
         return None
     if not all(isinstance(live[key], type) and live[key] is getattr(module, cls, None) for key, cls in entries.items()):
+        return None
+    if any(live[key.value] is not None for key, value in pairs if not isinstance(value, ast.Name)):
         return None
     return ClassTable(name, statement, entries, module)
 
@@ -157,6 +236,8 @@ def classes_to_emit(
         changed = False
         for cls in universe:
             if cls.__name__ in emitted:
+                if cls not in rewritten:  # emitted for another reason (a base): may still name what it builds
+                    changed |= name_auto_built(cls, emitted[cls.__name__].classdef, model, set(emitted))
                 continue
             if cls.__name__ not in sources:
                 try:
@@ -164,6 +245,8 @@ def classes_to_emit(
                 except Refused as refusal:
                     sources[cls.__name__] = refusal
             classdef = sources[cls.__name__]
+            if not isinstance(classdef, Refused):
+                name_auto_built(cls, classdef, model, set(emitted))
             if not isinstance(classdef, Refused) and astutil.loaded_names(classdef) & set(emitted):
                 emitted[cls.__name__] = Emitted(classdef, sys.modules[cls.__module__])
                 changed = True

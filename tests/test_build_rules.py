@@ -14,16 +14,17 @@ def test_checkpoint_that_already_stores_qkv_merged_is_refused():
     assert any(plan.merged == "gate_up_proj" for outcome in outcomes for plan in outcome.fused)
 
 
-def test_class_built_through_auto_model_from_config_is_refused_as_unreachable():
-    # Gemma4Model builds AutoModel.from_config(config.text_config): a fused text MLP would never be used.
-    result = build("gemma4")
+def test_class_built_from_a_config_of_any_type_is_refused_as_unreachable():
+    # GotOcr2Model builds AutoModel.from_config(config.text_config), and GotOcr2Config declares its text part as
+    # AutoConfig: which class is built depends on the config, so a fused Qwen2 copy would never be named there.
+    result = build("got_ocr2")
     refusals = {(o.class_name, r.rule): r.reason for o in result.outcomes for r in o.refused}
-    assert "`AutoModel.from_config(config.text_config)` in Gemma4Model.__init__" in refusals[
-        ("Gemma4TextMLP", "unreachable")
+    assert "`AutoModel.from_config(config.text_config)` in GotOcr2Model.__init__" in refusals[
+        ("Qwen2Attention", "unreachable")
     ]
-    assert result.text is None or "FusedGemma4TextMLP" not in result.text
+    assert result.text is None or "FusedQwen2Attention" not in result.text
     # `report` (the analysis alone) says so too.
-    assert ("Gemma4TextMLP", "unreachable") in rules(analyse("gemma4").outcomes)
+    assert ("Qwen2Attention", "unreachable") in rules(analyse("got_ocr2").outcomes)
 
 
 def test_transformers_models_declare_themselves_library_code():

@@ -1,4 +1,5 @@
-"""Classes picked out of a module-level class table are reached through a fused copy of the table."""
+"""Classes picked out of a module-level class table, or built through `AutoModel.from_config`, are reached:
+through a fused copy of the table, or a call naming the fused class."""
 
 import pytest
 
@@ -9,11 +10,13 @@ TABLES = {
     "gpt_neo": 'FUSED_GPT_NEO_ATTENTION_CLASSES = {"eager": FusedGPTNeoSelfAttention}',
     "jamba": "FUSED_ALL_DECODER_LAYER_TYPES = {",
     "nemotron_h": '"full_attention": FusedNemotronHAttention,',
+    "deepseek_v4": '"sliding_attention": None,',  # a table with a None entry
+    "gemma4": "self.language_model = FusedGemma4TextModel._from_config(config.text_config)",
 }
 
 
 @pytest.mark.parametrize("model_type", sorted(TABLES))
-def test_fused_table_is_emitted_and_the_fused_model_matches_the_original(model_type):
+def test_fused_copy_is_reached_and_the_fused_model_matches_the_original(model_type):
     result = build(model_type)
     assert not [r for o in result.outcomes for r in o.refused if r.rule == "unreachable"]
     assert TABLES[model_type] in result.text
@@ -29,3 +32,9 @@ def test_an_entry_the_model_never_builds_is_left_out_and_named():
     text = build("gpt_neo").text
     assert "GPTNeoFlashAttention2" not in text.split("FUSED_GPT_NEO_ATTENTION_CLASSES = ")[1].split("}")[0]
     assert "Left out of GPT_NEO_ATTENTION_CLASSES: 'flash_attention_2' (GPTNeoFlashAttention2)" in text
+
+
+def test_from_config_of_an_unfused_tower_is_kept():
+    # Gemma4Model's vision and audio towers are not fused: their AutoModel.from_config calls stay as they are.
+    text = build("gemma4").text
+    assert "AutoModel.from_config(config.vision_config)" in text
