@@ -4,7 +4,11 @@ The decoder layer constructs the fused attention, the model constructs the
 decoder layer, the causal LM the model; the pretrained base names module
 classes in `_can_record_outputs`, and the model classes inherit from it. Each
 of them is copied with those references renamed to the fused classes, so the
-generated file holds a self-contained tree from the causal LM down.
+generated file holds a self-contained tree from the causal LM down. A class
+built from a module-level class table is reached through a fused copy of the
+table (`ClassTable`); one built through `AutoModel.from_config` through a call
+naming its fused copy, where the config fixes which class that is
+(`name_auto_built`).
 """
 
 from __future__ import annotations

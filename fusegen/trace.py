@@ -4,10 +4,14 @@ The graph answers one question for the matcher: which child linears read the
 very same value. Every child module is recorded as an opaque `call_module`
 node, attention interfaces as opaque calls, and each proxy carries the value
 the operation would produce on `meta` tensors, so Python-level shape code
-(`(*x.shape[:-1], -1, d)`) traces instead of stopping the trace. Anything that
-still cannot be traced (data-dependent control flow, unknown inputs) ends the
-trace early: the graph up to that point is kept, because the projections sit
-near the top of a forward and are usually already recorded.
+(`(*x.shape[:-1], -1, d)`) traces instead of stopping the trace. The inputs
+are the arguments the module received in one meta forward of the whole model
+(`record_inputs`), so a tuple (`cos, sin = position_embeddings`), a dict or a
+cache has its real structure; a module the forward never reached gets
+synthetic inputs instead. Anything that still cannot be traced (control flow
+on an unknown value) ends the trace early: the graph up to that point is kept,
+because the projections sit near the top of a forward and are usually already
+recorded, and the report says where it stopped.
 """
 
 from __future__ import annotations
