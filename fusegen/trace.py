@@ -53,13 +53,26 @@ def trace_module(module: nn.Module, recorded: Recorded | None = None) -> Trace:
 
     With `recorded` (see `record_inputs`), the placeholders carry the values the
     forward really received, so a tuple can be unpacked and a dict indexed;
-    without, synthetic inputs stand in (see `_example_inputs`).
+    without, synthetic inputs stand in (see `_example_inputs`). When the
+    recorded trace stops early and the synthetic one sees more child calls,
+    the synthetic one is kept: either is a specialisation the matcher only
+    proposes groups from, so the one that sees more can only find more.
     """
+    snapshot = None if recorded is None else _snapshot(recorded)
+    if snapshot is None:
+        return _trace(module, None)
+    trace = _trace(module, snapshot)
+    if trace.error is None:
+        return trace
+    synthetic = _trace(module, None)
+    return synthetic if _child_calls(synthetic) > _child_calls(trace) else trace
+
+
+def _trace(module: nn.Module, recorded: Recorded | None) -> Trace:
     tracer = _MetaTracer(module)
     forward = inspect.unwrap(type(module).forward)
     error = None
     try:
-        recorded = None if recorded is None else _snapshot(recorded)
         if recorded is None:
             args, kwargs = _example_inputs(tracer, module, forward)
         else:
@@ -69,6 +82,10 @@ def trace_module(module: nn.Module, recorded: Recorded | None = None) -> Trace:
     except Exception as exc:  # noqa: BLE001 - a partial graph is still useful; record why it stopped
         error = f"{type(exc).__name__}: {exc}".strip()
     return Trace(tracer.graph, error)
+
+
+def _child_calls(trace: Trace) -> int:
+    return sum(node.op == "call_module" for node in trace.graph.nodes)
 
 
 def module_value(node: fx.Node) -> object:

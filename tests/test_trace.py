@@ -77,6 +77,31 @@ def test_recording_restores_modes_and_survives_a_failing_forward():
     assert all(not module._forward_pre_hooks for module in (model.attention, model.unused))
 
 
+class _MaskedAttention(_Attention):
+    """Branches on a tensor's contents, which no meta value knows, when given a mask."""
+
+    def forward(self, hidden_states, mask=None):
+        if mask is not None and mask.any():
+            hidden_states = hidden_states * 2
+        return self.q_proj(hidden_states) + self.k_proj(hidden_states) + self.v_proj(hidden_states)
+
+
+def test_a_recorded_trace_that_sees_less_than_the_synthetic_one_is_not_kept():
+    with torch.device("meta"):
+        module = _MaskedAttention()
+        recorded = ((torch.empty(2, 3, 8),), {"mask": torch.empty(2, 3, dtype=torch.bool)})
+    trace = trace_module(module, recorded)
+    assert trace.error is None  # the synthetic trace: mask left at its default
+    assert [plan.merged for plan in find_groups(trace.graph, module)] == ["qkv_proj"]
+
+
+def test_arguments_the_forward_does_not_take_fall_back_to_synthetic_inputs():
+    with torch.device("meta"):
+        module = _MaskedAttention()
+    trace = trace_module(module, ((torch.empty(2, 3, 8),), {"renamed_by_a_decorator": None}))
+    assert [plan.merged for plan in find_groups(trace.graph, module)] == ["qkv_proj"]
+
+
 @pytest.mark.parametrize(
     ("model_type", "class_name"),
     [
