@@ -110,9 +110,11 @@ def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted
     """
     rewritten = False
     init = astutil.method(classdef, "__init__")
+    if init is None or not _config_is_the_parameter(init):
+        return False
     instances = [module for module in model.modules() if type(module) is cls]
     module = sys.modules[cls.__module__]
-    for stmt in ast.walk(init) if init and instances else []:
+    for stmt in ast.walk(init) if instances else []:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and astutil.self_attr(stmt.targets[0])):
             continue
         call = stmt.value
@@ -126,6 +128,17 @@ def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted
             call.func = ast.Attribute(ast.Name(built_class.__name__, ast.Load()), "_from_config", ast.Load())
             rewritten = True
     return rewritten
+
+
+def _config_is_the_parameter(init: ast.FunctionDef) -> bool:
+    """`__init__(self, config, ...)` never rebinds `config`, so `config.<field>` is a field of the class's config."""
+    parameters = init.args.posonlyargs + init.args.args
+    if len(parameters) < 2 or parameters[1].arg != "config":
+        return False
+    return not any(
+        isinstance(node, ast.Name) and node.id == "config" and not isinstance(node.ctx, ast.Load)
+        for node in ast.walk(init)
+    )
 
 
 def _is_auto_from_config(call: ast.expr, module: ModuleType) -> bool:

@@ -38,3 +38,19 @@ def test_from_config_of_an_unfused_tower_is_kept():
     # Gemma4Model's vision and audio towers are not fused: their AutoModel.from_config calls stay as they are.
     text = build("gemma4").text
     assert "AutoModel.from_config(config.vision_config)" in text
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def __init__(self, config):\n    self.lm = AutoModel.from_config(config.text_config)", True),
+        ("def __init__(self, config):\n    config = config.text_config\n    self.lm = AutoModel.from_config(config)", False),
+        ("def __init__(self, cfg):\n    self.lm = AutoModel.from_config(cfg.text_config)", False),
+    ],
+)
+def test_from_config_is_followed_only_on_the_class_config_itself(source, expected):
+    import ast
+
+    from fusegen.propagate import _config_is_the_parameter
+
+    assert _config_is_the_parameter(ast.parse(source).body[0]) is expected
