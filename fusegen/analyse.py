@@ -19,19 +19,25 @@ from fusegen.rewrite_forward import rewrite_forward
 from fusegen.rewrite_init import check_no_other_uses, rewrite_init
 from fusegen.safety import check_projections, projection_findings
 from fusegen.runtime.linear import sizes_attribute
-from fusegen.trace import trace_module
+from fusegen.trace import Recorded, trace_module
 
 
 def analyse_class(
-    cls: type, instance: nn.Module, namespace: dict, vetoes: dict[str, str] | None = None
+    cls: type,
+    instance: nn.Module,
+    namespace: dict,
+    vetoes: dict[str, str] | None = None,
+    recorded: Recorded | None = None,
 ) -> tuple[ClassOutcome, ast.ClassDef | None]:
     """The outcome for `cls`, and its rewritten class statement if anything was fused.
 
     `vetoes` names merged linears refused for reasons found outside the class
     (checkpoint names shared with an unfused module), with the reason.
+    `recorded` is the arguments `instance` received in a forward of the model
+    (`fusegen.trace.record_inputs`), traced with instead of synthetic inputs.
     """
     vetoes = vetoes or {}
-    trace = trace_module(instance)
+    trace = trace_module(instance, recorded)
     outcome = ClassOutcome(cls.__name__, trace_error=trace.error)
     plans = find_groups(trace.graph, instance)
     if not plans:

@@ -19,11 +19,19 @@ from fusegen.errors import InputError
 from fusegen.imports import global_names, import_lines
 from fusegen.instantiate import candidates, instantiate
 from fusegen.plan import ClassOutcome, FusionPlan, Refusal, Refused
-from fusegen.propagate import classes_to_emit, constructed_classes, fused_name, rename_classes
+from fusegen.propagate import (
+    classes_to_emit,
+    constructed_classes,
+    fused_name,
+    fused_names,
+    rename_classes,
+    unreachable_reasons,
+)
 from fusegen.render import render
 from fusegen.resolve import Target, resolve
 from fusegen.rewrite_init import MERGED_LINEAR
 from fusegen.runtime.tp import fused_plan_from
+from fusegen.trace import record_inputs
 
 REGISTER = "register_stacked_checkpoint"
 REGISTER_AUTO = "register_fused_causal_lm"
@@ -119,10 +127,15 @@ def analyse(name: str, refused: dict[str, dict[str, str]] | None = None) -> Anal
     model = instantiate(target)
     found = candidates(model)
     refused = refused or {}
+    inputs = record_inputs(model, list(found.values()))
 
     def run(cls, instance, vetoes=None):
         return analyse_class(
-            cls, instance, vars(sys.modules[cls.__module__]), {**refused.get(cls.__name__, {}), **(vetoes or {})}
+            cls,
+            instance,
+            vars(sys.modules[cls.__module__]),
+            {**refused.get(cls.__name__, {}), **(vetoes or {})},
+            inputs.get(id(instance)),
         )
 
     results = {cls: run(cls, instance) for cls, instance in found.items()}
@@ -134,7 +147,20 @@ def analyse(name: str, refused: dict[str, dict[str, str]] | None = None) -> Anal
         vetoes = _vetoes(model, [outcome for outcome, _ in results.values()])
     outcomes = [outcome for outcome, _ in results.values()]
     rewritten = {cls: classdef for cls, (_, classdef) in results.items() if classdef is not None}
+    outcomes, rewritten = _reachable(target, model, outcomes, rewritten)
     return Analysis(target, model, outcomes, rewritten)
+
+
+def _reachable(target: Target, model: nn.Module, outcomes: list[ClassOutcome], rewritten: dict) -> tuple[list, dict]:
+    """Outcomes and rewritten classes with the fusions the causal LM never builds refused (so `report` shows them)."""
+    if not rewritten:
+        return outcomes, rewritten
+    emitted = classes_to_emit(target.module, model, rewritten)
+    stray = {cls.__name__ for cls in rewritten} - constructed_classes(emitted, target.causal_lm.__name__)
+    if not stray:
+        return outcomes, rewritten
+    kept = {cls: classdef for cls, classdef in rewritten.items() if cls.__name__ not in stray}
+    return _unreachable(outcomes, target, stray, model), kept
 
 
 def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] | None = None) -> BuildResult:
@@ -150,12 +176,12 @@ def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] |
     emitted = classes_to_emit(target.module, model, rewritten)
     stray = {cls.__name__ for cls in rewritten} - constructed_classes(emitted, target.causal_lm.__name__)
     if stray:
-        outcomes = _unreachable(outcomes, target, stray)
+        outcomes = _unreachable(outcomes, target, stray, model)
         rewritten = {cls: classdef for cls, classdef in rewritten.items() if cls.__name__ not in stray}
         if not rewritten:
             return BuildResult(target, outcomes, None)
         emitted = classes_to_emit(target.module, model, rewritten)
-    renames = {name: fused_name(name) for name in emitted}
+    renames = fused_names(emitted)
     _add_methods(emitted, target, model)
     used: dict[str, tuple[ModuleType | None, str]] = {}
     for item in emitted.values():
@@ -296,23 +322,23 @@ def _use(used: dict[str, tuple[ModuleType | None, str]], name: str, item) -> Non
     used[alias] = (module, name)
 
 
-def _unreachable(outcomes: list[ClassOutcome], target: Target, stray: set[str]) -> list[ClassOutcome]:
+def _unreachable(
+    outcomes: list[ClassOutcome], target: Target, stray: set[str], model: nn.Module
+) -> list[ClassOutcome]:
     """The outcomes with the fusions of `stray` classes turned into refusals: the causal LM never builds them.
 
-    This happens when a model constructs a submodule indirectly: through
-    `AutoModel.from_config(config.text_config)`, or by looking its class up
-    in a module-level table (`ATTENTION_CLASSES[config.attention_type]`).
+    This happens when a model constructs a submodule indirectly, through
+    `AutoModel.from_config(config.text_config)` (module-level class tables are
+    re-emitted, see `fusegen.propagate.ClassTable`); each reason names the call.
     """
-    reason = (
-        f"{target.causal_lm.__name__} does not construct this class by name (it goes through a class table or "
-        "AutoModel.from_config), so a fused copy would never be used"
-    )
+    reasons = unreachable_reasons(target.module, model, stray, target.causal_lm.__name__)
     return [
         (
             ClassOutcome(
                 outcome.class_name,
                 [],
-                outcome.refused + [Refusal(plan.projections, "unreachable", reason) for plan in outcome.fused],
+                outcome.refused
+                + [Refusal(plan.projections, "unreachable", reasons[outcome.class_name]) for plan in outcome.fused],
                 outcome.trace_error,
             )
             if outcome.class_name in stray

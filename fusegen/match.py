@@ -19,6 +19,8 @@ from fusegen.plan import FusionPlan
 
 _QKV_STEMS = (("q", "k", "v"), ("query", "key", "value"))
 _CASTS = {"to", "float", "half", "bfloat16", "type_as", "contiguous"}
+_CONVENTIONAL_NAMES = {frozenset({"q_a_proj", "kv_a_proj_with_mqa"}): "fused_qkv_a_proj"}
+"""Merged names the serving engines, their loaders and quantization configs already use for a group."""
 
 
 def plain_linears(module: nn.Module) -> dict[str, nn.Linear]:
@@ -101,7 +103,11 @@ def merged_name(names: list[str]) -> str:
 
     The shared prefix and suffix are kept and the distinct stems joined, with
     no separator when every stem is one letter, as the serving engines name them.
+    A group the engines name otherwise gets their name: MLA's `q_a_proj` and
+    `kv_a_proj_with_mqa` -> `fused_qkv_a_proj`.
     """
+    if frozenset(names) in _CONVENTIONAL_NAMES:
+        return _CONVENTIONAL_NAMES[frozenset(names)]
     prefix = os.path.commonprefix(names)
     suffix = os.path.commonprefix([name[::-1] for name in names])[::-1]
     suffix = suffix[suffix.find("_") :] if "_" in suffix else ""

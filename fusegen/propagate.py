@@ -4,12 +4,18 @@ The decoder layer constructs the fused attention, the model constructs the
 decoder layer, the causal LM the model; the pretrained base names module
 classes in `_can_record_outputs`, and the model classes inherit from it. Each
 of them is copied with those references renamed to the fused classes, so the
-generated file holds a self-contained tree from the causal LM down.
+generated file holds a self-contained tree from the causal LM down. A class
+built from a module-level class table is reached through a fused copy of the
+table (`ClassTable`); one built through `AutoModel.from_config` through a call
+naming its fused copy, where the config fixes which class that is
+(`name_auto_built`).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
+import inspect
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -29,10 +35,196 @@ def fused_name(name: str) -> str:
 
 @dataclass
 class Emitted:
-    """A class statement to write into the generated file, and the module it came from."""
+    """A class statement to write into the generated file, and the module it came from.
 
-    classdef: ast.ClassDef
+    For a class table (see `ClassTable`) `classdef` is a module of statements: the table's fused copy.
+    """
+
+    classdef: ast.ClassDef | ast.Module
     module: ModuleType
+
+    @property
+    def lineno(self) -> int:
+        return getattr(self.classdef, "lineno", 0)
+
+
+def fused_names(emitted: dict[str, Emitted]) -> dict[str, str]:
+    """`{original name: fused name}` for everything emitted: `FusedX` for a class, `FUSED_X` for a table."""
+    return {
+        name: fused_name(name) if isinstance(item.classdef, ast.ClassDef) else f"{PREFIX.upper()}_{name}"
+        for name, item in emitted.items()
+    }
+
+
+@dataclass
+class ClassTable:
+    """A module-level dict literal whose values are classes (or None): `ATTENTION_CLASSES = {"eager": XAttention}`.
+
+    A model that builds `ATTENTION_CLASSES[config._attn_implementation](...)` reaches the fused class
+    only through a fused copy of the table, emitted with the classes that read it.
+    """
+
+    name: str
+    statement: ast.Assign
+    entries: dict[object, str]
+    """Each key and the name of the class it maps to."""
+    module: ModuleType
+
+    def fused_copy(self, built: set[str]) -> ast.Module:
+        """The table, keeping only entries whose class the analysed model builds (renamed later if fused).
+
+        A class the model never built was never analysed: it may hold the very
+        projections the stacked mapping merges (GPT-Neo's flash-attention class
+        inherits them), and loading a fused checkpoint into it would leave
+        weights unfilled. Its entry is left out, so selecting it fails loudly
+        (KeyError) instead, and a note in the file names it.
+        """
+        statement = copy.deepcopy(self.statement)
+        kept = [
+            (key, value)
+            for key, value in zip(statement.value.keys, statement.value.values)
+            if not isinstance(value, ast.Name) or value.id in built
+        ]
+        statement.value.keys = [key for key, _ in kept]
+        statement.value.values = [value for _, value in kept]
+        body: list[ast.stmt] = [statement]
+        left_out = {key: name for key, name in self.entries.items() if name not in built}
+        if left_out:
+            listed = ", ".join(f"{key!r} ({name})" for key, name in left_out.items())
+            note = f"Left out of {self.name}: {listed}; the analysed model never builds it, so it was not fused."
+            body.append(ast.Expr(ast.Constant(note)))
+        module = ast.Module(body=body, type_ignores=[])
+        module.lineno = self.statement.lineno
+        return module
+
+
+def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted: set[str]) -> bool:
+    """Rewrite `self.x = AutoModel.from_config(config.<field>)` in `__init__` to `T._from_config(config.<field>)`
+    where `T`, the class built there, is emitted, so the fused copy of `T` is named and built.
+
+    The two are the same call when the Auto class maps the config `cls` declares for `<field>` to `T`, and that
+    config has no text part `T` would be built from instead (what `from_config` adds for local code). Checked
+    against the class's `config_class.sub_configs` (so it holds for every config of the type, not just the one
+    built) and against each instance in the model; anything else is left as it is, and stays unreachable.
+    Returns whether a call was rewritten.
+    """
+    rewritten = False
+    init = astutil.method(classdef, "__init__")
+    if init is None or not _config_is_the_parameter(init):
+        return False
+    instances = [module for module in model.modules() if type(module) is cls]
+    module = sys.modules[cls.__module__]
+    for stmt in ast.walk(init) if instances else []:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and astutil.self_attr(stmt.targets[0])):
+            continue
+        call = stmt.value
+        built = {type(getattr(instance, stmt.targets[0].attr, None)) for instance in instances}
+        if len(built) != 1 or not _is_auto_from_config(call, module):
+            continue
+        (built_class,) = built
+        if built_class.__name__ in emitted and _from_config_builds(call, cls, getattr(module, call.func.value.id)) is (
+            built_class
+        ):
+            call.func = ast.Attribute(ast.Name(built_class.__name__, ast.Load()), "_from_config", ast.Load())
+            rewritten = True
+    return rewritten
+
+
+def _config_is_the_parameter(init: ast.FunctionDef) -> bool:
+    """`__init__(self, config, ...)` never rebinds `config`, so `config.<field>` is a field of the class's config."""
+    parameters = init.args.posonlyargs + init.args.args
+    if len(parameters) < 2 or parameters[1].arg != "config":
+        return False
+    return not any(
+        isinstance(node, ast.Name) and node.id == "config" and not isinstance(node.ctx, ast.Load)
+        for node in ast.walk(init)
+    )
+
+
+def _is_auto_from_config(call: ast.expr, module: ModuleType) -> bool:
+    """`<Auto class>.from_config(config.<field>)`, the Auto class read from `module`."""
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    if not (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "from_config"
+        and isinstance(call.func.value, ast.Name)
+        and len(call.args) + len(call.keywords) == 1
+    ):
+        return False
+    auto = getattr(module, call.func.value.id, None)
+    return isinstance(auto, type) and issubclass(auto, _BaseAutoModelClass)
+
+
+def _from_config_builds(call: ast.Call, cls: type, auto: type) -> type | None:
+    """The class `auto.from_config(config.<field>)` builds in `cls.__init__(config)` for every config, or None."""
+    argument = call.args[0] if call.args else call.keywords[0].value
+    if call.keywords and call.keywords[0].arg != "config":
+        return None
+    if not (isinstance(argument, ast.Attribute) and isinstance(argument.value, ast.Name)):
+        return None
+    if argument.value.id != "config":
+        return None
+    declared = getattr(getattr(cls, "config_class", None), "sub_configs", {}).get(argument.attr)
+    if not isinstance(declared, type):
+        return None
+    try:
+        built = auto._model_mapping[declared]
+    except KeyError:
+        return None
+    text = getattr(declared, "sub_configs", {}).get("text_config")
+    if text is not None and getattr(built, "config_class", None) == text:
+        return None
+    return built
+
+
+def class_tables(universe: list[type]) -> dict[str, ClassTable]:
+    """The class tables of the modules the model's classes come from, naming at least one of those classes.
+
+    Only a plain `NAME = {constant: ClassName, ...}` counts, and only when the
+    module's live object is that very dict (same keys, same classes): a table
+    built or changed at run time is not copied.
+    """
+    names = {cls.__name__ for cls in universe}
+    found: dict[str, ClassTable] = {}
+    for module in dict.fromkeys(sys.modules[cls.__module__] for cls in universe):
+        try:
+            tree = ast.parse(inspect.getsource(module))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for statement in tree.body:
+            table = _class_table(statement, module)
+            if table is not None and set(table.entries.values()) & names and table.name not in found:
+                found[table.name] = table
+    return found
+
+
+def _is_class_or_none(value: ast.expr) -> bool:
+    return isinstance(value, ast.Name) or (isinstance(value, ast.Constant) and value.value is None)
+
+
+def _class_table(statement: ast.stmt, module: ModuleType) -> ClassTable | None:
+    if not (
+        isinstance(statement, ast.Assign)
+        and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Name)
+        and isinstance(statement.value, ast.Dict)
+        and all(isinstance(key, ast.Constant) for key in statement.value.keys)
+        and all(_is_class_or_none(value) for value in statement.value.values)
+    ):
+        return None
+    name = statement.targets[0].id
+    pairs = list(zip(statement.value.keys, statement.value.values))
+    entries = {key.value: value.id for key, value in pairs if isinstance(value, ast.Name)}
+    live = getattr(module, name, None)
+    if not isinstance(live, dict) or list(live) != [key.value for key, _ in pairs]:
+        return None
+    if not all(isinstance(live[key], type) and live[key] is getattr(module, cls, None) for key, cls in entries.items()):
+        return None
+    if any(live[key.value] is not None for key, value in pairs if not isinstance(value, ast.Name)):
+        return None
+    return ClassTable(name, statement, entries, module)
 
 
 def classes_to_emit(
@@ -47,6 +239,7 @@ def classes_to_emit(
     module's terms.
     """
     universe = _model_classes(target_module, model)
+    tables = class_tables(universe)
     by_name: dict[str, type] = {}
     for cls in [*rewritten, *universe]:
         if by_name.setdefault(cls.__name__, cls) is not cls:
@@ -60,6 +253,8 @@ def classes_to_emit(
         changed = False
         for cls in universe:
             if cls.__name__ in emitted:
+                if cls not in rewritten:  # emitted for another reason (a base): may still name what it builds
+                    changed |= name_auto_built(cls, emitted[cls.__name__].classdef, model, set(emitted))
                 continue
             if cls.__name__ not in sources:
                 try:
@@ -67,8 +262,14 @@ def classes_to_emit(
                 except Refused as refusal:
                     sources[cls.__name__] = refusal
             classdef = sources[cls.__name__]
+            if not isinstance(classdef, Refused):
+                name_auto_built(cls, classdef, model, set(emitted))
             if not isinstance(classdef, Refused) and astutil.loaded_names(classdef) & set(emitted):
                 emitted[cls.__name__] = Emitted(classdef, sys.modules[cls.__module__])
+                changed = True
+        for name, table in tables.items():
+            if name not in emitted and set(table.entries.values()) & set(emitted):
+                emitted[name] = Emitted(table.fused_copy({cls.__name__ for cls in universe}), table.module)
                 changed = True
     for cls in universe:
         if isinstance(sources.get(cls.__name__), Refused) and _uses_any(cls, emitted):
@@ -80,21 +281,85 @@ def constructed_classes(emitted: dict[str, Emitted], root: str) -> set[str]:
     """Emitted classes the causal LM `root` can actually build: named in a method (not in a type check), or a base.
 
     A class picked out of a module-level table (`ATTENTION_CLASSES[kind](...)`)
-    or built through `AutoModel.from_config` is never named where it is built;
-    its fused copy would sit unused in the generated file (and type checks
-    renamed to it would stop matching the original that is built instead), so
-    its fusion is refused.
+    is reached through the table's fused copy, which the classes reading the
+    table are emitted with. A class built through `AutoModel.from_config` is
+    never named where it is built; its fused copy would sit unused in the
+    generated file (and type checks renamed to it would stop matching the
+    original that is built instead), so its fusion is refused.
     """
     reached = {root} if root in emitted else set()
     frontier = list(reached)
     while frontier:
         classdef = emitted[frontier.pop()].classdef
-        named = set().union(*(_built_names(stmt) for stmt in classdef.body if isinstance(stmt, ast.FunctionDef)))
-        bases = {base.id for base in classdef.bases if isinstance(base, ast.Name)}
+        if not isinstance(classdef, ast.ClassDef):  # a class table: every class it names can be built
+            named, bases = astutil.loaded_names(classdef), set()
+        else:
+            named = set().union(*(_built_names(stmt) for stmt in classdef.body if isinstance(stmt, ast.FunctionDef)))
+            bases = {base.id for base in classdef.bases if isinstance(base, ast.Name)}
         for name in (named | bases) & set(emitted) - reached:
             reached.add(name)
             frontier.append(name)
     return reached
+
+
+def unreachable_reasons(target_module: ModuleType, model: nn.Module, stray: set[str], root: str) -> dict[str, str]:
+    """For each class in `stray` (fused, but not reached from `root`), why the causal LM never builds the copy.
+
+    The modules above an instance of it are looked up in the model, nearest
+    first: one whose `__init__` calls `AutoModel.from_config(...)` picks the
+    class of what it builds from the config's type at run time, so no copy is
+    ever named there; otherwise the construction is one fusegen cannot follow.
+    """
+    universe = {cls.__name__: cls for cls in _model_classes(target_module, model)}
+    reasons = {}
+    for name in stray:
+        ancestors = _ancestors(model, name)
+        calls = [(owner, _from_config_call(universe.get(owner), attr)) for owner, attr in ancestors]
+        owner, call = next(((owner, call) for owner, call in calls if call is not None), (None, None))
+        if call is not None:
+            reasons[name] = (
+                f"{root} reaches it only through `{ast.unparse(call)}` in {owner}.__init__ (line {call.lineno}), "
+                "which picks the class from the config's type at run time, so a fused copy would never be used"
+            )
+        else:
+            builder = ancestors[0][0] if ancestors else "an unknown module"
+            reasons[name] = (
+                f"{root} never names this class where it is built (by {builder}), so a fused copy would never be used"
+            )
+    return reasons
+
+
+def _ancestors(model: nn.Module, name: str) -> list[tuple[str, str]]:
+    """(class, attribute holding the way down) of each module above the first instance of class `name`, nearest
+    first; containers (`ModuleList`) are skipped."""
+    for path, module in model.named_modules():
+        if type(module).__name__ != name or not path:
+            continue
+        parts = path.split(".")
+        found = []
+        for depth in range(len(parts) - 1, -1, -1):
+            parent = model.get_submodule(".".join(parts[:depth]))
+            if not isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                found.append((type(parent).__name__, parts[depth]))
+        return found
+    return []
+
+
+def _from_config_call(cls: type | None, attribute: str) -> ast.Call | None:
+    """The `<Auto class>.from_config(...)` call assigned to `self.<attribute>` in `cls`'s `__init__`, if any."""
+    if cls is None:
+        return None
+    try:
+        init = astutil.method(astutil.parse_class(cls), "__init__")
+    except Refused:
+        return None
+    for stmt in ast.walk(init) if init else []:
+        if not (isinstance(stmt, ast.Assign) and any(astutil.self_attr(t, attribute) for t in stmt.targets)):
+            continue
+        for node in ast.walk(stmt.value):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_config":
+                return node
+    return None
 
 
 def _built_names(function: ast.FunctionDef) -> set[str]:
@@ -122,7 +387,7 @@ def _definition_order(emitted: dict[str, Emitted], target_module: ModuleType) ->
         key=lambda name: (
             emitted[name].module is target_module,
             emitted[name].module.__name__,
-            emitted[name].classdef.lineno,
+            emitted[name].lineno,
         ),
     )
     needs = {name: _class_level_names(emitted[name].classdef) & set(emitted) - {name} for name in emitted}
@@ -138,6 +403,8 @@ def _definition_order(emitted: dict[str, Emitted], target_module: ModuleType) ->
 
 def _class_level_names(classdef: ast.ClassDef) -> set[str]:
     """Names evaluated when the class statement runs (bases, decorators, attributes), not in methods."""
+    if not isinstance(classdef, ast.ClassDef):  # a class table: its values are evaluated at import
+        return astutil.loaded_names(classdef)
     parts = [*classdef.bases, *classdef.keywords, *classdef.decorator_list]
     parts += [stmt for stmt in classdef.body if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))]
     return set().union(*(astutil.loaded_names(part) for part in parts)) if parts else set()
@@ -172,7 +439,7 @@ def rename_classes(classdef: ast.ClassDef, renames: dict[str, str]) -> None:
     Names, the class's own name, and string constants equal to a class name
     (`_no_split_modules = ["LlamaDecoderLayer"]`) are renamed.
     """
-    if classdef.name in renames:
+    if isinstance(classdef, ast.ClassDef) and classdef.name in renames:
         classdef.name = renames[classdef.name]
     for node in ast.walk(classdef):
         if isinstance(node, ast.Name) and node.id in renames:

@@ -46,4 +46,9 @@ def report_text(analyses) -> str:
             if not outcome.fused and not outcome.refused:
                 why = f" (trace stopped early: {outcome.trace_error})" if outcome.trace_error else ""
                 lines.append(f"  {outcome.class_name}: no linears share an input{why}")
+            elif outcome.trace_error:
+                lines.append(
+                    f"  {outcome.class_name}: trace stopped early ({outcome.trace_error}): "
+                    "linears called after that point were not seen"
+                )
     return "\n".join(lines) + "\n"

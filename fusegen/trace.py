@@ -4,25 +4,33 @@ The graph answers one question for the matcher: which child linears read the
 very same value. Every child module is recorded as an opaque `call_module`
 node, attention interfaces as opaque calls, and each proxy carries the value
 the operation would produce on `meta` tensors, so Python-level shape code
-(`(*x.shape[:-1], -1, d)`) traces instead of stopping the trace. Anything that
-still cannot be traced (data-dependent control flow, unknown inputs) ends the
-trace early: the graph up to that point is kept, because the projections sit
-near the top of a forward and are usually already recorded.
+(`(*x.shape[:-1], -1, d)`) traces instead of stopping the trace. The inputs
+are the arguments the module received in one meta forward of the whole model
+(`record_inputs`), so a tuple (`cos, sin = position_embeddings`), a dict or a
+cache has its real structure; a module the forward never reached gets
+synthetic inputs instead. Anything that still cannot be traced (control flow
+on an unknown value) ends the trace early: the graph up to that point is kept,
+because the projections sit near the top of a forward and are usually already
+recorded, and the report says where it stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import enum
 import inspect
 import operator
 from dataclasses import dataclass
 from unittest import mock
 
 import torch
+import torch.utils._pytree
 from torch import fx, nn
 
 UNKNOWN = object()
 """The value of a proxy whose result could not be computed on `meta`."""
+_METADATA = {"shape", "dtype", "device", "ndim", "is_floating_point", "dim", "size"}
 
 
 @dataclass
@@ -36,18 +44,48 @@ class TraceStopped(Exception):
     """The forward did something that depends on a value the trace cannot know."""
 
 
-def trace_module(module: nn.Module) -> Trace:
-    """Trace `type(module).forward` on `module`, keeping whatever graph it reaches."""
+Recorded = tuple[tuple, dict]
+"""The positional and keyword arguments one call of a module's forward received."""
+
+
+def trace_module(module: nn.Module, recorded: Recorded | None = None) -> Trace:
+    """Trace `type(module).forward` on `module`, keeping whatever graph it reaches.
+
+    With `recorded` (see `record_inputs`), the placeholders carry the values the
+    forward really received, so a tuple can be unpacked and a dict indexed;
+    without, synthetic inputs stand in (see `_example_inputs`). When the
+    recorded trace stops early and the synthetic one sees more child calls,
+    the synthetic one is kept: either is a specialisation the matcher only
+    proposes groups from, so the one that sees more can only find more.
+    """
+    snapshot = None if recorded is None else _snapshot(recorded)
+    if snapshot is None:
+        return _trace(module, None)
+    trace = _trace(module, snapshot)
+    if trace.error is None:
+        return trace
+    synthetic = _trace(module, None)
+    return synthetic if _child_calls(synthetic) > _child_calls(trace) else trace
+
+
+def _trace(module: nn.Module, recorded: Recorded | None) -> Trace:
     tracer = _MetaTracer(module)
     forward = inspect.unwrap(type(module).forward)
     error = None
     try:
-        args, kwargs = _example_inputs(tracer, module, forward)
+        if recorded is None:
+            args, kwargs = _example_inputs(tracer, module, forward)
+        else:
+            args, kwargs = _recorded_inputs(tracer, forward, module, recorded)
         with _children_as_leaves(tracer), _attention_as_leaf(tracer):
             forward(module, *args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - a partial graph is still useful; record why it stopped
         error = f"{type(exc).__name__}: {exc}".strip()
     return Trace(tracer.graph, error)
+
+
+def _child_calls(trace: Trace) -> int:
+    return sum(node.op == "call_module" for node in trace.graph.nodes)
 
 
 def module_value(node: fx.Node) -> object:
@@ -72,9 +110,21 @@ class _MetaProxy(fx.Proxy):
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
     def __bool__(self) -> bool:
+        # A branch on a known plain value (a shape comparison, a flag read off
+        # a recorded cache) follows the recorded call. The graph only proposes
+        # groups; whether the source may be rewritten is judged on the source.
+        value = module_value(self.node)
+        if isinstance(value, (bool, int, float)):
+            return bool(value)
         raise TraceStopped(f"control flow depends on the traced value {self.node.name}")
 
-    def __getattr__(self, name: str) -> _MetaAttribute:
+    def __getattr__(self, name: str):
+        # Tensor metadata of a known value is a constant of the traced call, and
+        # C functions (`torch.finfo(x.dtype)`, `torch.ones(n, device=x.device)`)
+        # accept no proxy for it; the matcher never needs it as a node.
+        value = module_value(self.node)
+        if name in _METADATA and isinstance(value, torch.Tensor):
+            return getattr(value, name)
         return _MetaAttribute(self, name)
 
 
@@ -114,9 +164,11 @@ class _MetaTracer(fx.proxy.GraphAppendingTracer):
 
     def _evaluate(self, kind, target, args, kwargs) -> object:
         """What the operation returns on meta values, or `UNKNOWN`."""
-        if kind == "call_function" and id(target) in self.opaque:
-            return (UNKNOWN, UNKNOWN)
         values = fx.node.map_aggregate((args, kwargs), _value_of)
+        if kind == "call_function" and id(target) in self.opaque:
+            # The kernel's body stays out of the graph, but on known meta
+            # inputs it still says what it returns (eager and sdpa run on meta).
+            return _attention_value(target, values)
         if _contains_unknown(values):
             return UNKNOWN
         args, kwargs = values
@@ -130,6 +182,19 @@ class _MetaTracer(fx.proxy.GraphAppendingTracer):
         except Exception:  # noqa: BLE001 - an op that fails on meta just has no known value
             return UNKNOWN
         return UNKNOWN
+
+
+def _attention_value(interface, values) -> object:
+    """What an attention interface returns on meta values: its pair of outputs, or two unknowns."""
+    unknown = (UNKNOWN, UNKNOWN)
+    if _contains_unknown(values):
+        return unknown
+    args, kwargs = values
+    try:
+        result = interface(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a kernel without meta support just has no known value
+        return unknown
+    return tuple(result) if isinstance(result, tuple) and len(result) == 2 else unknown
 
 
 def _value_of(a):
@@ -183,6 +248,143 @@ def _example_inputs(tracer: _MetaTracer, module: nn.Module, forward) -> tuple[li
         else:
             args.append(value)
     return args, kwargs
+
+
+def _recorded_inputs(tracer: _MetaTracer, forward, module: nn.Module, recorded: Recorded) -> tuple[list, dict]:
+    """Placeholders for the arguments of one recorded call: tensors, containers and caches carry their value.
+
+    Plain values (None, flags, numbers, strings) are passed as they were, so
+    control flow on them takes the branch the real call took. Parameters the
+    call left out keep their defaults, as in the real call.
+    """
+    args, kwargs = recorded
+    bound = inspect.signature(forward).bind(module, *args, **kwargs)
+    names = list(bound.arguments)[1:]
+    parameters = inspect.signature(forward).parameters
+    for name in names:
+        value = bound.arguments[name]
+        kind = parameters[name].kind
+        if kind == inspect.Parameter.VAR_POSITIONAL:
+            bound.arguments[name] = tuple(_placeholder(tracer, f"{name}_{i}", v) for i, v in enumerate(value))
+        elif kind == inspect.Parameter.VAR_KEYWORD:
+            bound.arguments[name] = {key: _placeholder(tracer, key, v) for key, v in value.items()}
+        else:
+            bound.arguments[name] = _placeholder(tracer, name, value)
+    return list(bound.args[1:]), dict(bound.kwargs)
+
+
+def _placeholder(tracer: _MetaTracer, name: str, value: object) -> object:
+    """`value` itself if it is plain data, else a placeholder whose meta value it is."""
+    if not _is_traced(value):
+        return value
+    proxy = tracer.create_proxy("placeholder", name, (), {})
+    proxy.node.meta["value"] = value
+    return proxy
+
+
+def _is_traced(value: object) -> bool:
+    """Whether a recorded argument becomes a placeholder: a tensor, a container holding one, or a cache.
+
+    Everything else (None, flags, numbers, strings, enums) is data the forward
+    branches on; passing it as it was keeps the branch the real call took.
+    """
+    leaves = torch.utils._pytree.tree_leaves(value)
+    if any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return True
+    return not isinstance(value, (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device))
+
+
+def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -> dict[int, Recorded]:
+    """The arguments each of `modules` receives in one forward of `model` on meta `input_ids` (keyed by `id`).
+
+    The model runs in eval mode without gradients, with its config's other
+    defaults (`use_cache` included); a forward that fails part-way (an op with
+    no meta kernel, a data-dependent branch) still leaves the calls made
+    before the failure recorded, and the nested models are run next for what
+    is missing (see `_roots`). Modules not reached get no entry, so their
+    trace falls back to synthetic inputs. MoE experts run the
+    `batched_mm` implementation, the one whose shapes do not depend on the
+    routing (grouped kernels want bf16, the eager loop reads which experts
+    were hit). Modes and configs are restored afterwards.
+    """
+    recorded: dict[int, Recorded] = {}
+
+    def hook(module, args, kwargs):
+        if id(module) not in recorded:
+            snapshot = _snapshot((args, dict(kwargs)))
+            if snapshot is not None:
+                recorded[id(module)] = snapshot
+
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in modules]
+    modes = {module: module.training for module in model.modules()}
+    experts = _configs_with_experts(model)
+    try:
+        for config, _ in experts:
+            config._experts_implementation = "batched_mm"
+        model.eval()
+        for root in _roots(model):
+            if all(id(module) in recorded for module in modules):
+                break
+            _run(root, length)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in modes.items():
+            module.training = mode
+        for config, implementation in experts:
+            config._experts_implementation = implementation
+    return recorded
+
+
+def _roots(model: nn.Module) -> list[nn.Module]:
+    """The model, then each model nested in it that reads `input_ids` (a multimodal model's language model).
+
+    A wrapper whose own forward fails on meta (a mask helper calling `.item()`)
+    still lets its text model record the calls the wrapper would have made.
+    """
+    from transformers import PreTrainedModel
+
+    nested = [
+        module
+        for module in model.modules()
+        if module is not model
+        and isinstance(module, PreTrainedModel)
+        and "input_ids" in inspect.signature(type(module).forward).parameters
+    ]
+    return [model, *nested]
+
+
+def _run(root: nn.Module, length: int) -> None:
+    """One forward of `root` on meta `input_ids`; a failure just ends the recording there."""
+    try:
+        with torch.no_grad():
+            root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"))
+    except Exception:  # noqa: BLE001 - upstream modeling code on meta; what was recorded is still right
+        pass
+
+
+def _snapshot(recorded: Recorded) -> Recorded | None:
+    """A deep copy of recorded arguments, or None if they cannot be copied.
+
+    A cache is updated in place by the very call it is passed to (and again by
+    the trace, which runs `cache.update` on meta values), so each use starts
+    from a copy of the state the call saw.
+    """
+    try:
+        return copy.deepcopy(recorded)
+    except Exception:  # noqa: BLE001 - an argument that cannot be copied: trace with synthetic inputs
+        return None
+
+
+def _configs_with_experts(model: nn.Module) -> list[tuple[object, str]]:
+    """Each config a module of `model` reads whose `_experts_implementation` is set, with its value."""
+    found = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        implementation = getattr(config, "_experts_implementation", None)
+        if implementation is not None:
+            found.setdefault(id(config), (config, implementation))
+    return list(found.values())
 
 
 def _hidden_states_like(module: nn.Module) -> object:

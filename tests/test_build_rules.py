@@ -14,11 +14,17 @@ def test_checkpoint_that_already_stores_qkv_merged_is_refused():
     assert any(plan.merged == "gate_up_proj" for outcome in outcomes for plan in outcome.fused)
 
 
-def test_class_picked_from_a_class_table_is_refused_as_unreachable():
-    # GPTNeoAttention builds GPT_NEO_ATTENTION_CLASSES[...](...): a fused self-attention would never be used.
-    result = build("gpt_neo")
-    assert ("GPTNeoSelfAttention", "unreachable") in rules(result.outcomes)
-    assert result.text is None or "FusedGPTNeoSelfAttention" not in result.text
+def test_class_built_from_a_config_of_any_type_is_refused_as_unreachable():
+    # GotOcr2Model builds AutoModel.from_config(config.text_config), and GotOcr2Config declares its text part as
+    # AutoConfig: which class is built depends on the config, so a fused Qwen2 copy would never be named there.
+    result = build("got_ocr2")
+    refusals = {(o.class_name, r.rule): r.reason for o in result.outcomes for r in o.refused}
+    assert "`AutoModel.from_config(config.text_config)` in GotOcr2Model.__init__" in refusals[
+        ("Qwen2Attention", "unreachable")
+    ]
+    assert result.text is None or "FusedQwen2Attention" not in result.text
+    # `report` (the analysis alone) says so too.
+    assert ("Qwen2Attention", "unreachable") in rules(analyse("got_ocr2").outcomes)
 
 
 def test_transformers_models_declare_themselves_library_code():
