@@ -181,6 +181,7 @@ def may_alias(expr: ast.expr, tracked: set[str], module: nn.Module) -> bool:
 
 
 def _call_may_alias(call: ast.Call, tracked: set[str], module: nn.Module) -> bool:
+    """Could a call's result share storage with a tracked name? Yes if its callee or any operand may."""
     func = call.func
     if self_attr(func) and _plain_linear(getattr(module, func.attr, None)):
         return False  # a linear writes its result into new storage (unless a hook hands back something else)
@@ -191,6 +192,7 @@ def _call_may_alias(call: ast.Call, tracked: set[str], module: nn.Module) -> boo
 
 
 def _plain_linear(child: object) -> bool:
+    """An exact, hook-free `nn.Linear`: its output is new storage."""
     return type(child) is nn.Linear and not module_hooks(child) and not global_hooks()
 
 
@@ -207,6 +209,7 @@ def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namesp
 
 
 def _aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace, stash: bool) -> set[str]:
+    """`aliases`, with or without the names that come to hold an alias by being handed one (`stash`)."""
     bindings = list(_bindings(funcdef))
     local = _local_names(funcdef) - {"self"}
     calls = [node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Call)] if stash else []
@@ -290,6 +293,7 @@ def _bindings(funcdef: ast.FunctionDef):
 
 
 def _loads(node: ast.AST) -> set[str]:
+    """Names read anywhere under `node`."""
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
@@ -315,6 +319,7 @@ def _local_names(funcdef: ast.FunctionDef) -> set[str]:
 
 
 def _region_nodes(region: list[ast.stmt]):
+    """Every node of the region's statements, nested blocks and scopes included."""
     for stmt in region:
         yield from ast.walk(stmt)
 
