@@ -129,14 +129,17 @@ INPLACE_DUNDERS = frozenset(
 )  # fmt: skip
 """Tensor dunders that write their receiver (and keep no reference to their operands)."""
 
-REFLECTION_NAMES = frozenset({"eval", "exec", "locals", "vars", "globals", "compile", "__import__", "breakpoint"})
+REFLECTION_NAMES = frozenset(
+    {"eval", "exec", "locals", "vars", "globals", "compile", "__import__", "breakpoint", "__builtins__"}
+)
 """Builtins that reach every name of the frame, whatever they are handed."""
 
 FRAME_ATTRS = frozenset(
     {"__dict__", "_getframe", "currentframe", "f_locals", "f_globals", "f_back", "getouterframes",
-     "getinnerframes", "tb_frame", "gi_frame", "cr_frame", "settrace", "setprofile", "_current_frames"}
+     "getinnerframes", "tb_frame", "gi_frame", "cr_frame", "settrace", "setprofile", "_current_frames",
+     "get_objects", "get_referrers", "get_referents"}
 )  # fmt: skip
-"""Attributes that expose a frame's (or an object's) bindings to code not handed them."""
+"""Attributes that expose a frame's (or an object's) bindings, or every live object (`gc`), to code not handed them."""
 
 _SCOPES = (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.GeneratorExp)
 """Code that runs later than where it is written, so a walk over the region does not see it run."""
@@ -178,13 +181,19 @@ def may_alias(expr: ast.expr, tracked: set[str], module: nn.Module) -> bool:
 
 
 def _call_may_alias(call: ast.Call, tracked: set[str], module: nn.Module) -> bool:
+    """Could a call's result share storage with a tracked name? Yes if its callee or any operand may."""
     func = call.func
-    if self_attr(func) and type(getattr(module, func.attr, None)) is nn.Linear:
-        return False  # a linear writes its result into new storage
+    if self_attr(func) and _plain_linear(getattr(module, func.attr, None)):
+        return False  # a linear writes its result into new storage (unless a hook hands back something else)
     if isinstance(func, ast.Attribute) and (func.attr in METADATA_METHODS or func.attr in FRESH_METHODS):
         return False
     operands = [func, *call.args, *(keyword.value for keyword in call.keywords)]
     return any(may_alias(operand, tracked, module) for operand in operands)
+
+
+def _plain_linear(child: object) -> bool:
+    """An exact, hook-free `nn.Linear`: its output is new storage."""
+    return type(child) is nn.Linear and not module_hooks(child) and not global_hooks()
 
 
 def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace: dict | None = None) -> set[str]:
@@ -200,6 +209,7 @@ def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namesp
 
 
 def _aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace, stash: bool) -> set[str]:
+    """`aliases`, with or without the names that come to hold an alias by being handed one (`stash`)."""
     bindings = list(_bindings(funcdef))
     local = _local_names(funcdef) - {"self"}
     calls = [node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Call)] if stash else []
@@ -246,7 +256,7 @@ def _keeps_no_reference(call: ast.Call, tracked: set[str], module: nn.Module, na
     """Calls that return a value and store none of their operands anywhere: allowlisted tensor code."""
     func = call.func
     if self_attr(func):
-        return pure_module(getattr(module, func.attr, None)) or type(getattr(module, func.attr, None)) is nn.Linear
+        return pure_module(getattr(module, func.attr, None))
     if namespace is not None and isinstance(func, (ast.Name, ast.Attribute)):
         resolved = resolve(func, namespace)
         if resolved is not _UNRESOLVED:
@@ -283,6 +293,7 @@ def _bindings(funcdef: ast.FunctionDef):
 
 
 def _loads(node: ast.AST) -> set[str]:
+    """Names read anywhere under `node`."""
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
@@ -308,6 +319,7 @@ def _local_names(funcdef: ast.FunctionDef) -> set[str]:
 
 
 def _region_nodes(region: list[ast.stmt]):
+    """Every node of the region's statements, nested blocks and scopes included."""
     for stmt in region:
         yield from ast.walk(stmt)
 
@@ -381,7 +393,8 @@ def check_no_reflection(funcdef: ast.FunctionDef):
     local = _local_names(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
         by_name = isinstance(node, ast.Name) and node.id in REFLECTION_NAMES and node.id not in local
-        if by_name or (isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS):
+        by_attribute = isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS | REFLECTION_NAMES
+        if by_name or by_attribute:
             yield Refused("reflection", f"`{ast.unparse(node)}` can reach any name of the frame", node)
 
 
@@ -712,7 +725,7 @@ def _reaches_frame(function: types.FunctionType, seen: set) -> bool:
         return False
     seen.add(function)
     names = _code_names(function.__code__)
-    if names & (FRAME_ATTRS | REFLECTION_NAMES | {"inspect", "sys"}):
+    if names & (FRAME_ATTRS | REFLECTION_NAMES | {"inspect", "sys", "gc", "builtins"}):
         return True
     for name in names:
         other = function.__globals__.get(name)
