@@ -79,16 +79,18 @@ def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
 SAVE_PRETRAINED_METHOD = '''
 def save_pretrained(self, save_directory, *args, **kwargs):
     """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
-    from fusegen.runtime.auto import save_pretrained
+    from fusegen.runtime import save_pretrained_canonically
 
-    return save_pretrained(self, super().save_pretrained, save_directory, *args, **kwargs)
+    return save_pretrained_canonically(self, super().save_pretrained, save_directory, *args, **kwargs)
 '''
 LOAD_ADAPTER_METHOD = '''
 def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
     """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
-    from fusegen.runtime.peft import load_adapter
+    from fusegen.runtime import load_adapter_packed
 
-    return load_adapter(self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs)
+    return load_adapter_packed(
+        self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs
+    )
 '''
 LOAD_WEIGHTS_METHOD = '''
 def load_weights(self, weights):

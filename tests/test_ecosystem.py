@@ -2,11 +2,13 @@
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from peft import IA3Config, LoraConfig, PeftModel, get_peft_model  # the `ecosystem` extra; a missing PEFT fails
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -15,9 +17,6 @@ from generated.fused_llama import FusedLlamaForCausalLM
 from generated.fused_qwen2 import FusedQwen2ForCausalLM
 from tests.conftest import random_model, tiny_config
 from tests.test_hazards import QKV, RETURN, case_path, outcome, write_case  # noqa: F401 (case_path is a fixture)
-
-peft = pytest.importorskip("peft")
-from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 
 MODELS = {
     "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
@@ -309,7 +308,7 @@ def _export(checkpoint, tmp_path):
 
 
 def _run(code, *args, tmp_path):
-    env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
     return subprocess.run(
         [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, check=False
     )

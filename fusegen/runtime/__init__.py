@@ -6,6 +6,7 @@ so a generated model file works wherever Transformers does, without the compiler
 
 from . import peft as _peft
 from .auto import register_fused_causal_lm
+from .auto import save_pretrained as save_pretrained_canonically
 from .checkpoint import (
     MergedColumnConcatenate,
     MergedColumnSplit,
@@ -16,6 +17,7 @@ from .linear import MergedColumnLinear
 from .loading import CheckpointError, load_checkpoint, load_weights, save_checkpoint
 from .strict import check_loading
 from .peft import AdapterError
+from .peft import load_adapter as load_adapter_packed
 
 # PEFT learns about merged linears when it is imported (now, or later); importing this package never imports PEFT.
 _peft.arm()
@@ -54,11 +56,13 @@ __all__ = [
     "build_stacked_converters",
     "check_loading",
     "init_fused_parallel_plans",
+    "load_adapter_packed",
     "load_checkpoint",
     "load_weights",
     "partition_rows",
     "register_fused_causal_lm",
     "register_stacked_checkpoint",
     "save_checkpoint",
+    "save_pretrained_canonically",
     "stream_weights",
 ]
