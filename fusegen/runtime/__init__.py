@@ -12,6 +12,7 @@ from .checkpoint import (
 )
 from .linear import MergedColumnLinear
 from .loading import CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from .version import StaleGeneratedFile, check_source
 
 # What a generated causal LM's `load_weights` method calls (a distinct name, so the method does not shadow it).
 stream_weights = load_weights
@@ -43,7 +44,9 @@ __all__ = [
     "MergedColumnParallel",
     "MergedColumnSplit",
     "PartitionedConcatenate",
+    "StaleGeneratedFile",
     "build_stacked_converters",
+    "check_source",
     "init_fused_parallel_plans",
     "load_checkpoint",
     "load_weights",
