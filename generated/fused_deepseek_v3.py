@@ -13,7 +13,7 @@ Loads and saves the canonical deepseek_v3 checkpoint layout; STACKED_PARAMS_MAPP
 which checkpoint tensors make up each merged linear, in row order.
 """
 
-from fusegen.runtime.version import check_source
+from fusegen.runtime import check_source
 
 # Before importing from transformers.models.deepseek_v3.modeling_deepseek_v3:
 # raises if the installed source of it is not the one this file was built from.

@@ -11,7 +11,7 @@ Loads and saves the canonical qwen3_moe checkpoint layout; STACKED_PARAMS_MAPPIN
 which checkpoint tensors make up each merged linear, in row order.
 """
 
-from fusegen.runtime.version import check_source
+from fusegen.runtime import check_source
 
 # Before importing from transformers.models.qwen3_moe.modeling_qwen3_moe:
 # raises if the installed source of it is not the one this file was built from.

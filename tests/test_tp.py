@@ -56,6 +56,7 @@ CASES = {
         "llama-gqa-plain": ("llama", {"num_key_value_heads": 2}, "plain"),  # Transformers' own TP, for reference
         "llama-gqa-save": ("llama", {"num_key_value_heads": 2}, "save"),
         "qwen2-gqa-honest": ("qwen2", {"num_key_value_heads": 2}, "honest"),  # q/k/v biases
+        "llama-mqa-grads": ("llama", {"num_key_value_heads": 1}, "grads"),  # kv head replicated on both ranks
         "heads-3": ("llama", {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}, "error"),
         "kv-heads-3": ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, "error"),
     },
@@ -223,6 +224,24 @@ def _honest(model_type, path, out):
     return result
 
 
+def _replicated_grads(model_type, path):
+    """With a kv head shared by both ranks, each rank's copy gets the full gradient, not its own part of it."""
+    _, fused_class = _classes(model_type)
+    tp, single = fused_class.from_pretrained(path, tp_plan="auto"), fused_class.from_pretrained(path)
+    input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    tp_grads, single_grads = _grads(tp, input_ids), _grads(single, input_ids)
+    result = {}
+    for layer in range(len(single.model.layers)):
+        name = f"model.layers.{layer}.self_attn.qkv_proj.weight"
+        local, full = tp_grads[name], single_grads[name]
+        local = local.to_local() if hasattr(local, "to_local") else local
+        q_local = tp.model.layers[layer].self_attn.qkv_proj.output_sizes[0]
+        q_full = single.model.layers[layer].self_attn.qkv_proj.output_sizes[0]
+        result[f"layer{layer}_kv_grad_diff"] = (local[q_local:] - full[q_full:]).abs().max().item()
+        result[f"layer{layer}_kv_grad_max"] = full[q_full:].abs().max().item()
+    return result
+
+
 def _error(model_type, path):
     _, fused_class = _classes(model_type)
     try:
@@ -239,6 +258,8 @@ def _run_case(model_type, path, how, out):
         return _error(model_type, path)
     if how == "honest":
         return _honest(model_type, path, out)
+    if how == "grads":
+        return _replicated_grads(model_type, path)
     return _compare(model_type, path, how)
 
 
@@ -402,6 +423,15 @@ def test_tp_placements_describe_what_each_rank_holds(launched):
         assert result["merged_grad_max_diff"] <= TOLERANCE and result["grad_max_diff"] <= TOLERANCE, result
         assert result["dcp_reload_vs_tp"] <= TOLERANCE, result
     assert per_rank[0]["dcp_keys_canonical"] and per_rank[0]["dcp_tensors_exact"], per_rank[0]
+
+
+def test_replicated_kv_heads_get_their_whole_gradient(launched):
+    _, per_rank = _results(launched, 2, "llama-mqa-grads")
+    for rank, result in enumerate(per_rank):
+        print(f"N=2 llama-mqa grads rank {rank}: {json.dumps(result)}")
+        for layer in (0, 1):
+            assert result[f"layer{layer}_kv_grad_max"] > 1e-3, result  # a gradient that can be wrong
+            assert result[f"layer{layer}_kv_grad_diff"] <= TOLERANCE, result
 
 
 @pytest.mark.parametrize(("world_size", "name"), _cases("error"))

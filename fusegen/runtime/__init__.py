@@ -21,6 +21,7 @@ from .peft import load_adapter as load_adapter_packed
 
 # PEFT learns about merged linears when it is imported (now, or later); importing this package never imports PEFT.
 _peft.arm()
+from .version import StaleGeneratedFile, check_source
 
 # What a generated causal LM's `load_weights` method calls (a distinct name, so the method does not shadow it).
 stream_weights = load_weights
@@ -53,8 +54,10 @@ __all__ = [
     "MergedColumnParallel",
     "MergedColumnSplit",
     "PartitionedConcatenate",
+    "StaleGeneratedFile",
     "build_stacked_converters",
     "check_loading",
+    "check_source",
     "init_fused_parallel_plans",
     "load_adapter_packed",
     "load_checkpoint",

@@ -172,6 +172,8 @@ def _check_torchao(model: nn.Module, config: Any) -> None:
         if granularity is None and name == "Float8DynamicActivationFloat8WeightConfig":
             granularity = "PerTensor"  # its default
         label = granularity if isinstance(granularity, str) else type(granularity).__name__
+        if label == "PerAxis" and getattr(granularity, "axis", None) != 0:
+            label = f"PerAxis(axis={getattr(granularity, 'axis', None)})"  # a scale per input column spans all pieces
         if granularity is not None and label not in _SEPARABLE_GRANULARITY:
             raise _refuse(
                 model,

@@ -222,12 +222,62 @@ class MergedColumnParallel(TensorParallelLayer):
     def transform_inputs_pre_forward(self, module, args, kwargs, mesh):
         from torch.distributed.tensor import DTensor, Replicate
 
+        _hook_replicated_gradients(module, mesh)
         x = args[0]
         if isinstance(x, DTensor):
             x = x.redistribute(placements=[Replicate()]).to_local()
         # Each process back-propagates through its rows only, so the input's gradient is a sum over processes.
         x = _AllReduceBackward.apply(x, _mesh_group(mesh))
         return (x, *args[1:]), kwargs
+
+
+def _hook_replicated_gradients(module: nn.Module, mesh) -> None:
+    """Before a forward: give each parameter of a merged linear with replicated rows the summing gradient hook.
+
+    Done at forward time, once per parameter object, because loading replaces the parameters built by `shard_param`.
+    """
+    partition = getattr(module, "tp_partition", None)
+    if partition is None or partition.shard_on_read:
+        return
+    for parameter in module.parameters(recurse=False):
+        if parameter.requires_grad and not getattr(parameter, "_fusegen_sums_replicated", False):
+            parameter.register_hook(_replicated_rows_summed(partition, mesh))
+            parameter._fusegen_sums_replicated = True
+
+
+def _replicated_rows_summed(partition: RowPartition, mesh):
+    """Gradient hook for a merged parameter with replicated kv heads: sum each kv head's gradient over the processes
+    sharing it.
+
+    Process r computes attention for its own query heads only, so its gradient for a kv head shared by the group
+    `[g*N/KV, (g+1)*N/KV)` is that group member's part of the true gradient; without the sum each copy would be
+    updated differently. One all-reduce over all processes of a buffer holding one slot per kv head (each process
+    writes its slot, zeros elsewhere) sums within groups without creating process groups.
+    """
+    from torch.distributed.tensor import DTensor
+
+    replicated = [
+        (index, full // size)
+        for index, (full, size) in enumerate(zip(partition.full_sizes, partition.sizes))
+        if size * partition.world_size != full
+    ]
+    offsets = [sum(partition.sizes[:index]) for index in range(len(partition.sizes))]
+
+    def hook(grad):
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local = local.clone()
+        for index, slots in replicated:
+            size, start = partition.sizes[index], partition.starts[index]
+            rows = local.narrow(0, offsets[index], size)
+            buffer = rows.new_zeros((slots, *rows.shape))
+            buffer[start // size] = rows
+            torch.distributed.all_reduce(buffer, group=_mesh_group(mesh))
+            rows.copy_(buffer[start // size])
+        if isinstance(grad, DTensor):
+            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+        return local
+
+    return hook
 
 
 def _partition(module: nn.Module, mesh) -> RowPartition:
