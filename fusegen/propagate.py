@@ -224,7 +224,9 @@ def _class_table(statement: ast.stmt, module: ModuleType) -> ClassTable | None:
     live = getattr(module, name, None)
     if not isinstance(live, dict) or list(live) != [key.value for key, _ in pairs]:
         return None
-    if not all(isinstance(live[key], type) and live[key] is getattr(module, cls, None) for key, cls in entries.items()):
+    if not all(
+        isinstance(live[key], type) and live[key] is getattr(module, cls, None) for key, cls in entries.items()
+    ):
         return None
     if any(live[key.value] is not None for key, value in pairs if not isinstance(value, ast.Name)):
         return None
