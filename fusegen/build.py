@@ -452,9 +452,35 @@ def _direct_calls(expression: ast.expr) -> list[ast.Call]:
 def _vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
     """Fusions to refuse for reasons outside their class: `{class: {merged: reason}}`."""
     vetoes = checkpoint_conflicts(model, outcomes)
-    for found in (prefused_checkpoints(model, outcomes), outside_references(model, outcomes)):
+    for found in (
+        prefused_checkpoints(model, outcomes),
+        outside_references(model, outcomes),
+        merged_names_reused(outcomes),
+    ):
         for class_name, reasons in found.items():
             vetoes.setdefault(class_name, {}).update(reasons)
+    return vetoes
+
+
+def merged_names_reused(outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
+    """Fusions one of whose projections has the name another fusion gives its merged linear.
+
+    MiniMax's lightning attention already holds a packed `qkv_proj`, which its
+    full attention layers' q/k/v merge into: a checkpoint tensor `qkv_proj`
+    would then be a piece in one layer and a merged tensor in the other. The
+    fusion that consumes the name is refused; the one that produces it stays.
+    """
+    merged = {plan.merged: outcome.class_name for outcome in outcomes for plan in outcome.fused}
+    vetoes: dict[str, dict[str, str]] = {}
+    for outcome in outcomes:
+        for plan in outcome.fused:
+            for name in plan.projections:
+                if name in merged:
+                    vetoes.setdefault(outcome.class_name, {}).setdefault(
+                        plan.merged,
+                        f"{name} is also the merged name of {merged[name]}'s fusion, so a checkpoint tensor "
+                        f"{name} could be either a piece or a merged tensor",
+                    )
     return vetoes
 
 

@@ -184,10 +184,11 @@ def class_tables(universe: list[type]) -> dict[str, ClassTable]:
 
     Only a plain `NAME = {constant: ClassName, ...}` counts, and only when the
     module's live object is that very dict (same keys, same classes): a table
-    built or changed at run time is not copied.
+    built or changed at run time is not copied, nor a name two modules use.
     """
     names = {cls.__name__ for cls in universe}
     found: dict[str, ClassTable] = {}
+    ambiguous: set[str] = set()
     for module in dict.fromkeys(sys.modules[cls.__module__] for cls in universe):
         try:
             tree = ast.parse(inspect.getsource(module))
@@ -195,9 +196,12 @@ def class_tables(universe: list[type]) -> dict[str, ClassTable]:
             continue
         for statement in tree.body:
             table = _class_table(statement, module)
-            if table is not None and set(table.entries.values()) & names and table.name not in found:
-                found[table.name] = table
-    return found
+            if table is None or not set(table.entries.values()) & names:
+                continue
+            if table.name in found and found[table.name].module is not module:
+                ambiguous.add(table.name)  # renaming by name could point one module's code at the other's table
+            found.setdefault(table.name, table)
+    return {name: table for name, table in found.items() if name not in ambiguous}
 
 
 def _is_class_or_none(value: ast.expr) -> bool:
@@ -220,7 +224,9 @@ def _class_table(statement: ast.stmt, module: ModuleType) -> ClassTable | None:
     live = getattr(module, name, None)
     if not isinstance(live, dict) or list(live) != [key.value for key, _ in pairs]:
         return None
-    if not all(isinstance(live[key], type) and live[key] is getattr(module, cls, None) for key, cls in entries.items()):
+    if not all(
+        isinstance(live[key], type) and live[key] is getattr(module, cls, None) for key, cls in entries.items()
+    ):
         return None
     if any(live[key.value] is not None for key, value in pairs if not isinstance(value, ast.Name)):
         return None

@@ -291,7 +291,9 @@ def _is_traced(value: object) -> bool:
     leaves = torch.utils._pytree.tree_leaves(value)
     if any(isinstance(leaf, torch.Tensor) for leaf in leaves):
         return True
-    return not isinstance(value, (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device))
+    return not isinstance(
+        value, (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)
+    )
 
 
 def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -> dict[int, Recorded]:

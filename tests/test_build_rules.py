@@ -19,9 +19,10 @@ def test_class_built_from_a_config_of_any_type_is_refused_as_unreachable():
     # AutoConfig: which class is built depends on the config, so a fused Qwen2 copy would never be named there.
     result = build("got_ocr2")
     refusals = {(o.class_name, r.rule): r.reason for o in result.outcomes for r in o.refused}
-    assert "`AutoModel.from_config(config.text_config)` in GotOcr2Model.__init__" in refusals[
-        ("Qwen2Attention", "unreachable")
-    ]
+    assert (
+        "`AutoModel.from_config(config.text_config)` in GotOcr2Model.__init__"
+        in refusals[("Qwen2Attention", "unreachable")]
+    )
     assert result.text is None or "FusedQwen2Attention" not in result.text
     # `report` (the analysis alone) says so too.
     assert ("Qwen2Attention", "unreachable") in rules(analyse("got_ocr2").outcomes)
@@ -36,3 +37,10 @@ def test_projection_reached_from_another_class_is_refused():
     # ModernBertDecoderPreTrainedModel._init_weights reads `module.q_proj`, which a fused attention lacks.
     outcomes = analyse("modernbert-decoder").outcomes
     assert ("ModernBertDecoderAttention", "outside-reference") in rules(outcomes)
+
+
+def test_projection_named_like_another_fusions_merged_linear_is_refused():
+    # MiniMax lightning layers hold a packed qkv_proj; the full-attention layers merge q/k/v into qkv_proj.
+    outcomes = analyse("minimax").outcomes
+    assert ("MiniMaxLightningAttention", "ambiguous-checkpoint-names") in rules(outcomes)
+    assert any(plan.merged == "qkv_proj" for o in outcomes if o.class_name == "MiniMaxAttention" for plan in o.fused)

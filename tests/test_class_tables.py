@@ -44,7 +44,10 @@ def test_from_config_of_an_unfused_tower_is_kept():
     ("source", "expected"),
     [
         ("def __init__(self, config):\n    self.lm = AutoModel.from_config(config.text_config)", True),
-        ("def __init__(self, config):\n    config = config.text_config\n    self.lm = AutoModel.from_config(config)", False),
+        (
+            "def __init__(self, config):\n    config = config.text_config\n    self.lm = AutoModel.from_config(config)",
+            False,
+        ),
         ("def __init__(self, cfg):\n    self.lm = AutoModel.from_config(cfg.text_config)", False),
     ],
 )

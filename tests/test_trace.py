@@ -134,3 +134,17 @@ def test_moe_layers_do_not_end_the_recording():
     # JambaAttention sits past MoE layers: grouped_mm wants bf16 and the eager loop reads the routing on meta.
     assert {cls.__name__ for cls, instance in found.items() if id(instance) in recorded} >= {"JambaAttention"}
     assert model.config._experts_implementation != "batched_mm"
+
+
+def test_report_names_a_trace_stop_even_when_the_class_fused_something():
+    from types import SimpleNamespace
+
+    from fusegen.plan import ClassOutcome, FusionPlan
+    from fusegen.report import report_text
+
+    plan = FusionPlan("glu", "gate_up_proj", (("gate_proj", 0), ("up_proj", 1)))
+    outcome = ClassOutcome("XMLP", [plan], [], "TraceStopped: control flow depends on the traced value eq")
+    target = SimpleNamespace(source="x", module=SimpleNamespace(__name__="modeling_x"))
+    text = report_text([SimpleNamespace(target=target, outcomes=[outcome])])
+    assert "XMLP: fused gate_proj + up_proj -> gate_up_proj (glu)" in text
+    assert "XMLP: trace stopped early (TraceStopped: control flow depends on the traced value eq)" in text
