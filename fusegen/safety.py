@@ -775,10 +775,20 @@ def module_hooks(module: nn.Module) -> list[str]:
 
 
 def global_hooks() -> list[str]:
-    """The names of `torch.nn.modules.module`'s global hook tables that are not empty."""
+    """The names of `torch.nn.modules.module`'s global hook tables that run in a call and are not empty.
+
+    Registration hooks (`_global_module_registration_hooks`, ...) run when `__init__` assigns a submodule,
+    parameter or buffer, never inside a forward or backward, so they cannot change what a projection reads or
+    returns; what they build is judged on the instantiated model like anything else (`fusegen.runtime.quant`
+    registers one to carry `output_sizes` onto a quantizer's replacement module).
+    """
     from torch.nn.modules import module as module_module
 
-    tables = [name for name in dir(module_module) if name.startswith("_global_") and name.endswith("hooks")]
+    tables = [
+        name
+        for name in dir(module_module)
+        if name.startswith("_global_") and name.endswith("hooks") and "registration" not in name
+    ]
     return [name for name in tables if getattr(module_module, name)]
 
 

@@ -156,11 +156,6 @@ def test_pre_quantized_checkpoint_of_the_original_is_refused(saved, tmp_path, sc
     assert "the checkpoint holds pre-quantized pieces (bitsandbytes" in report, report[-2000:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="loads with qkv_proj/gate_up_proj left random: Transformers drops the renamed torchao pieces as unexpected "
-    "before any converter sees them; refused by the strict from_pretrained of the `loading` branch",
-)
 def test_pre_quantized_torchao_checkpoint_of_the_original_is_refused(saved, tmp_path):
     original = LlamaForCausalLM.from_pretrained(
         saved["llama"], quantization_config=SCHEMES["torchao-int8-weight-only"]()
