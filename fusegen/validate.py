@@ -50,7 +50,7 @@ in autograd's order. Each is a sum of the same ~hidden-size products, rounded at
 order, then propagated back through the layers: relative differences of ~1e-6, bounded well below 1e-4 at the tiny
 configs' widths. A mis-mapped weight gradient differs by O(1) relative."""
 
-MAX_VARIANTS = 4
+MAX_VARIANTS = 3
 """At most this many construction variants per target besides the tiny config, to keep the build fast."""
 MAX_PROBES = 20
 """At most this many candidate fields (and tied embeddings) are built to see whether they change the model."""
