@@ -3,14 +3,16 @@
 The analysis argues that each fusion is sound; this stage checks the result by executing it. The generated text is
 imported in memory, and its fused causal LM is compared with the original causal LM:
 
-- on a tiny config (`fusegen/shrink.py`) and on a few *construction variants* of it: configs with one boolean or
-  optional field flipped that change what `__init__` builds (found generically by `construction_variants`);
+- on a tiny config (`fusegen/shrink.py`) and on up to `MAX_VARIANTS` *construction variants* of it: configs with
+  one field changed that change what `__init__` builds (found generically by `construction_variants`);
 - with every parameter of the original randomised (biases and norms too, so a mis-sliced bias shows) and mapped
   into the fused model in memory through the file's own `STACKED_PARAMS_MAPPING` (pieces concatenated in row order),
   so a wrong row order or a wrong piece shows as a mismatch rather than hiding behind the runtime's loader;
 - in eval mode (logits) and in train mode (logits, and every parameter's gradient: a merged weight's gradient must
   equal its pieces' gradients concatenated), with dropout seeded identically (and, on request, once more with
-  gradient checkpointing: `validate(..., checkpointing=True)`; the build leaves it to tests/test_training.py).
+  gradient checkpointing: `validate(..., checkpointing=True)`; the build leaves it to tests/test_training.py);
+  variants get one train step;
+- in fp64 where the original runs in fp64, else in fp32 (see `_compare_in`), on random token ids (2 x 12).
 
 Logits must agree within `TOLERANCE` and gradients within `GRAD_TOLERANCE`; anything else (a difference, a fused
 model that fails where the original runs, a tensor that maps nowhere) is a `validation-mismatch` with the figure.
@@ -42,7 +44,9 @@ piece moves logits by 1e-1 and more). Validation itself runs in fp64 where the m
 reorderings show at ~1e-16, so its verdicts do not depend on how well a random model is conditioned."""
 
 GRAD_TOLERANCE = 1e-4
-"""Max |gradient difference| of one parameter, relative to that parameter's largest |gradient| (fp32).
+"""Max |gradient difference| of a parameter, relative to the largest |gradient| (fp32). Validation measures it
+against the largest gradient of the whole model (see `_grad_diff`); the training tests, stricter, against each
+tensor's own largest.
 
 Backward adds one more source of reordering that forward does not have: the input gradient of a merged linear is one
 GEMM over all pieces' rows (`dY_merged @ W_merged`), where the original sums the pieces' GEMMs (`dY_q @ W_q + ...`)
@@ -200,7 +204,7 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
             return
         if fused is None:
             fused = _fused_copy(original, fused_class, config, mapping, merging, dtype)
-        actual = _run(lambda: _step(step, fused, input_ids, expected[2]), _WHERE[step])
+        actual = _run(_WHERE[step], _step, step, fused, input_ids, expected[2])
         _agree(check, expected, actual, mapping, _WHERE[step])
         if not full:
             return
@@ -262,9 +266,10 @@ def _unused(original: nn.Module, fused: nn.Module, merging: set[str]) -> list[st
     return sorted(name for name in merging if name.removeprefix(PREFIX) in originals and name not in built)
 
 
-def _run(step, where: str):
+def _run(where: str, function, *args):
+    """`function(*args)` on the fused model; its failure is a mismatch, since the original ran the same step."""
     try:
-        return step()
+        return function(*args)
     except Exception as error:  # noqa: BLE001 - the original ran this; the fused model must too
         raise _Mismatch(f"fused {where} fails where the original runs: {_short(error)}") from None
 
@@ -428,14 +433,14 @@ def construction_variants(target, config, limit: int = MAX_VARIANTS) -> list[tup
         if probes >= MAX_PROBES and name != "tie_word_embeddings":
             continue
         if name not in read and name != "tie_word_embeddings":
-            continue  # the modeling code never names it, so its classes cannot build differently on it
+            continue  # the modeling module never names it (one read only elsewhere is a missed variant, no more)
         probes += 1
         try:
             variant = model_config(target, tiny_config(config, **{name: value}))
             if getattr(variant, name, value) != value and not isinstance(value, list):
                 continue  # the config re-derived the field: not the variant asked for
             structure = _structure(target, variant)
-        except Exception:  # noqa: BLE001 - a variant the config or the model rejects is not a variant
+        except Exception:  # noqa: BLE001, S112 - a variant the config or the model rejects is not a variant
             continue
         if structure not in seen:
             seen.add(structure)
@@ -467,7 +472,7 @@ def candidate_changes(config) -> list[tuple[str, object]]:
             continue
         try:
             value, hint = getattr(config, name), hints.get(name, "")
-        except Exception:  # noqa: BLE001 - a field its config refuses to read globally (per-layer values)
+        except Exception:  # noqa: BLE001, S112 - a field its config refuses to read globally (per-layer values)
             continue
         if isinstance(value, bool):
             booleans.append((name, not value))
@@ -481,12 +486,16 @@ def candidate_changes(config) -> list[tuple[str, object]]:
             kinds = list(dict.fromkeys(v for v in value if isinstance(v, str)))
             if len(kinds) > 1:
                 lists += [(name, [kind] * layers) for kind in kinds]
-        elif isinstance(value, (list, tuple)) and name.endswith("layers") and isinstance(layers, int):
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                lists.append((name, [] if value else [0]))
+        elif (
+            isinstance(value, (list, tuple))
+            and name.endswith("layers")
+            and isinstance(layers, int)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            lists.append((name, [] if value else [0]))
         if isinstance(value, int) and not isinstance(value, bool) and isinstance(layers, int):
             if _COUNTERS.match(name):
-                counters += [(name, new) for new in range(0, min(layers, 2) + 1) if new != value]
+                counters += [(name, new) for new in range(min(layers, 2) + 1) if new != value]
             elif _KV_HEADS.match(name) and value > 1:
                 counters.append((name, 1))
     tied = [change for change in booleans if change[0] == "tie_word_embeddings"]
@@ -582,7 +591,7 @@ class _isolated:
         self.filename = filename
         try:
             exec(compile(self.text, filename, "exec"), module.__dict__)  # noqa: S102 - the text we just generated
-        except BaseException as error:
+        except BaseException as error:  # noqa: BLE001 - any failure to import is the verdict, after cleaning up
             self.__exit__(None, None, None)
             raise _Mismatch(f"the generated module does not import: {_short(error)}") from None
         return module

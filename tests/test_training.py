@@ -15,9 +15,11 @@ from fusegen import rewrite_forward
 from fusegen.build import build
 from generated.fused_llama import FusedLlamaForCausalLM
 from generated.fused_qwen2 import FusedQwen2ForCausalLM
+from tests import test_hazards
 from tests.conftest import GRAD_TOLERANCE, TOLERANCE, tiny_config
-from tests.test_hazards import GLU_INIT, MODULE, case_path, write_case  # noqa: F401 - case_path is a fixture
+from tests.test_hazards import GLU_INIT, write_case
 
+case_path = test_hazards.case_path  # the hazard tests' fixture: a package dir on sys.path for toy modules
 MODELS = {
     "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
