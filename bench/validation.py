@@ -5,7 +5,8 @@
 1. `fusegen -q build llama qwen2` (validated, as users run it) against the import floor (importing the two
    modeling modules) and against the same pipeline with validation off (`build(name, validate=False)`), each a
    fresh process, interleaved A B C A B C ..., medians.
-2. In this process: the seconds `fusegen.validate.validate` takes per target, median of 3, and what each check
+2. In this process: the seconds `fusegen.validate.validate` takes per target (with the gradient-checkpointing step
+   the build skips), median of 3, and what each check
    found (max abs logit difference, max relative gradient difference, eval/train/gradient checkpointing).
 3. The construction variants found for every checked-in generated file.
 """
@@ -13,6 +14,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -25,10 +28,15 @@ FLOOR = "import transformers.models.llama.modeling_llama, transformers.models.qw
 UNVALIDATED = "from fusegen.build import build\nfor name in ('llama', 'qwen2'):\n    build(name, validate=False)"
 
 
-def timed(command: list[str]) -> float:
+def timed(command: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one fresh process. CPU time is the steadier figure on a shared machine:
+    other processes stretch the wall clock of both sides of a ratio, but hardly the work each side does."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=ROOT, capture_output=True)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def build_cost(rounds: int) -> None:
@@ -42,19 +50,24 @@ def build_cost(rounds: int) -> None:
         }  # fmt: skip
         for command in commands.values():  # warm the page cache once
             timed(command)
-        samples: dict[str, list[float]] = {label: [] for label in commands}
+        samples: dict[str, list[tuple[float, float]]] = {label: [] for label in commands}
         for _ in range(rounds):
             for label, command in commands.items():
                 samples[label].append(timed(command))
-    medians = {label: statistics.median(values) for label, values in samples.items()}
-    floor = medians["import floor"]
-    print(f"## build cost: {rounds} interleaved rounds, fresh processes, medians")
-    for label, value in medians.items():
-        runs = ", ".join(f"{v:.2f}" for v in samples[label])
-        print(f"{label:45s} {value:6.2f} s  ({value / floor:.2f}x the import floor; runs {runs})")
     print(
-        f"validation's share: {medians['fusegen -q build llama qwen2 (validated)'] - medians['same pipeline, validate=False']:.2f} s"
+        f"## build cost: {rounds} interleaved rounds, fresh processes, medians (load average {os.getloadavg()[0]:.1f})"
     )
+    validated, unvalidated, floor = (
+        "fusegen -q build llama qwen2 (validated)",
+        "same pipeline, validate=False",
+        "import floor",
+    )
+    for index, kind in enumerate(("wall", "CPU")):
+        medians = {label: statistics.median(v[index] for v in values) for label, values in samples.items()}
+        for label, value in medians.items():
+            runs = ", ".join(f"{v[index]:.2f}" for v in samples[label])
+            print(f"{kind:4s} {label:42s} {value:6.2f} s  ({value / medians[floor]:.2f}x the floor; runs {runs})")
+        print(f"{kind:4s} validation's share: {medians[validated] - medians[unvalidated]:.2f} s\n")
 
 
 def in_process() -> None:
@@ -64,12 +77,13 @@ def in_process() -> None:
     print("\n## validate() in process, per target (median of 3), and its checks")
     for name in ("llama", "qwen2"):
         result = build(name, validate=False)
-        seconds = []
+        wall, cpu = [], []
         for _ in range(3):
-            start = time.perf_counter()
-            report = validate(result.target, result.text)
-            seconds.append(time.perf_counter() - start)
-        print(f"{name}: {statistics.median(seconds):.3f} s")
+            start, start_cpu = time.perf_counter(), time.process_time()
+            report = validate(result.target, result.text, checkpointing=True)
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+        print(f"{name}: {statistics.median(wall):.3f} s wall, {statistics.median(cpu):.3f} s CPU")
         for check in report.checks:
             print(
                 f"  {check.config:28s} {check.status:8s} logits diff {check.logits_diff:.1e}  "
@@ -84,7 +98,7 @@ def variants() -> None:
     from fusegen.shrink import tiny_config
     from fusegen.validate import construction_variants
 
-    print("\n## construction variants per checked-in file (the build validates the first 4; the test up to 8)")
+    print("\n## construction variants per checked-in file (the build validates the first MAX_VARIANTS; the test up to 8)")
     for path in sorted(Path(generated.__file__).parent.glob("fused_*.py")):
         target = resolve(path.stem.removeprefix("fused_"))
         config = model_config(target, tiny_config(target.config_class))

@@ -136,6 +136,9 @@ def _build(args, console: Console) -> int:
             for outcome in result.outcomes:  # `report` does not validate: say here what validation refused
                 for refusal in (r for r in outcome.refused if r.rule == "validation-mismatch"):
                     console.info(f"  {outcome.class_name}: refused {refusal.describe()}")
+            if (args.check or args.diff) and path.exists():  # the file on disk is no longer what a build gives
+                print(f"{path} is stale: a fresh build writes no file for {result.target.source}", file=sys.stderr)
+                status = EXIT_DRIFT if args.check else status
             continue
         if args.check or args.diff:
             stale = drift(path, result.text)

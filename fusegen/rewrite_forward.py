@@ -176,9 +176,9 @@ def _written_in_place(funcdef: ast.FunctionDef, tracked: set[str]) -> bool:
     for node in ast.walk(funcdef):
         if isinstance(node, ast.AugAssign) and mentions(node.target):
             return True
-        if isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            if mentions(node.value):
-                return True
+        stored = isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del))
+        if stored and mentions(node.value):
+            return True
         if isinstance(node, ast.Call) and _call_writes(node, mentions):
             return True
     return False

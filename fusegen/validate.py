@@ -3,14 +3,16 @@
 The analysis argues that each fusion is sound; this stage checks the result by executing it. The generated text is
 imported in memory, and its fused causal LM is compared with the original causal LM:
 
-- on a tiny config (`fusegen/shrink.py`) and on a few *construction variants* of it: configs with one boolean or
-  optional field flipped that change what `__init__` builds (found generically by `construction_variants`);
+- on a tiny config (`fusegen/shrink.py`) and on up to `MAX_VARIANTS` *construction variants* of it: configs with
+  one field changed that change what `__init__` builds (found generically by `construction_variants`);
 - with every parameter of the original randomised (biases and norms too, so a mis-sliced bias shows) and mapped
   into the fused model in memory through the file's own `STACKED_PARAMS_MAPPING` (pieces concatenated in row order),
   so a wrong row order or a wrong piece shows as a mismatch rather than hiding behind the runtime's loader;
 - in eval mode (logits) and in train mode (logits, and every parameter's gradient: a merged weight's gradient must
-  equal its pieces' gradients concatenated), with dropout seeded identically, and once more with gradient
-  checkpointing on the tiny config.
+  equal its pieces' gradients concatenated), with dropout seeded identically (and, on request, once more with
+  gradient checkpointing: `validate(..., checkpointing=True)`; the build leaves it to tests/test_training.py);
+  variants get one train step;
+- in fp64 where the original runs in fp64, else in fp32 (see `_compare_in`), on random token ids (2 x 12).
 
 Logits must agree within `TOLERANCE` and gradients within `GRAD_TOLERANCE`; anything else (a difference, a fused
 model that fails where the original runs, a tensor that maps nowhere) is a `validation-mismatch` with the figure.
@@ -42,7 +44,9 @@ piece moves logits by 1e-1 and more). Validation itself runs in fp64 where the m
 reorderings show at ~1e-16, so its verdicts do not depend on how well a random model is conditioned."""
 
 GRAD_TOLERANCE = 1e-4
-"""Max |gradient difference| of one parameter, relative to that parameter's largest |gradient| (fp32).
+"""Max |gradient difference| of a parameter, relative to the largest |gradient| (fp32). Validation measures it
+against the largest gradient of the whole model (see `_grad_diff`); the training tests, stricter, against each
+tensor's own largest.
 
 Backward adds one more source of reordering that forward does not have: the input gradient of a merged linear is one
 GEMM over all pieces' rows (`dY_merged @ W_merged`), where the original sums the pieces' GEMMs (`dY_q @ W_q + ...`)
@@ -50,8 +54,10 @@ in autograd's order. Each is a sum of the same ~hidden-size products, rounded at
 order, then propagated back through the layers: relative differences of ~1e-6, bounded well below 1e-4 at the tiny
 configs' widths. A mis-mapped weight gradient differs by O(1) relative."""
 
-MAX_VARIANTS = 4
+MAX_VARIANTS = 3
 """At most this many construction variants per target besides the tiny config, to keep the build fast."""
+MAX_PROBES = 20
+"""At most this many candidate fields (and tied embeddings) are built to see whether they change the model."""
 SEED = 0
 RULE = "validation-mismatch"
 
@@ -93,17 +99,19 @@ class _Skip(Exception):
 # --- entry point -----------------------------------------------------------------------------------------------------
 
 
-def validate(target, text: str) -> Validation:
+def validate(target, text: str, checkpointing: bool = False) -> Validation:
     """Run the generated module `text` of `target` against its original; see the module docstring."""
     validation = Validation()
     try:
-        _validate_into(validation, target, text)
+        _validate_into(
+            validation, target, text, ("eval", "train", "checkpointing") if checkpointing else ("eval", "train")
+        )
     except _Mismatch as mismatch:
         validation.checks.append(Check("tiny", "mismatch", str(mismatch)))
     return validation
 
 
-def _validate_into(validation: Validation, target, text: str) -> None:
+def _validate_into(validation: Validation, target, text: str, tiny_steps: tuple[str, ...]) -> None:
     from fusegen.coverage import model_config
     from fusegen.shrink import ShrinkError, tiny_config
 
@@ -118,7 +126,9 @@ def _validate_into(validation: Validation, target, text: str) -> None:
             validation.checks.append(Check("tiny", "skipped", f"no tiny config: {_first_line(error)}"))
             return
         merging = merging_classes(text)
-        validation.checks.append(check_config("tiny", target.causal_lm, fused_class, config, mapping, merging, True))
+        validation.checks.append(
+            check_config("tiny", target.causal_lm, fused_class, config, mapping, merging, tiny_steps)
+        )
         for label, variant in construction_variants(target, config):
             if validation.mismatch is not None:
                 break  # one mismatch refuses the target; the rest would only cost time
@@ -134,12 +144,12 @@ def refusal_reason(check: Check) -> str:
 
 
 def check_config(
-    label: str, original_class, fused_class, config, mapping, merging: set[str], full: bool = False
+    label: str, original_class, fused_class, config, mapping, merging: set[str], steps: tuple[str, ...] = ()
 ) -> Check:
     """Original vs fused on `config`: logits and gradients (see `_compare`); `skipped` when the original fails."""
     check = Check(label, "passed")
     try:
-        _compare(check, original_class, fused_class, config, mapping, merging, full)
+        _compare(check, original_class, fused_class, config, mapping, merging, steps)
     except _Skip as skip:
         check.status, check.detail = "skipped", str(skip)
     except _Mismatch as mismatch:
@@ -147,15 +157,15 @@ def check_config(
     return check
 
 
-def _compare(check: Check, original_class, fused_class, config, mapping, merging: set[str], full: bool) -> None:
-    """`full`: eval, train, and train with gradient checkpointing; else (variants) train mode only, which gives
-    logits and gradients at once, or eval when the original does not train."""
+def _compare(check: Check, original_class, fused_class, config, mapping, merging: set[str], steps) -> None:
+    """Run `steps` (`eval`, `train`, `checkpointing`) on both models; with no steps (variants), one train step,
+    which gives logits and gradients at once, or eval when the original does not train."""
     if _FP32_ONLY.get(original_class) is None:
         try:
-            return _compare_in(torch.float64, check, original_class, fused_class, config, mapping, merging, full)
+            return _compare_in(torch.float64, check, original_class, fused_class, config, mapping, merging, steps)
         except _Skip as skip:
             _FP32_ONLY[original_class] = str(skip)
-    _compare_in(torch.float32, check, original_class, fused_class, config, mapping, merging, full)
+    _compare_in(torch.float32, check, original_class, fused_class, config, mapping, merging, steps)
     check.detail = "; ".join(filter(None, [f"in fp32 (fp64: {_FP32_ONLY[original_class]})", check.detail]))
 
 
@@ -163,7 +173,7 @@ _FP32_ONLY: dict[type, str] = {}
 """Original classes that did not run in fp64, and why: their later configs go straight to fp32."""
 
 
-def _compare_in(dtype, check: Check, original_class, fused_class, config, mapping, merging: set[str], full: bool):
+def _compare_in(dtype, check: Check, original_class, fused_class, config, mapping, merging: set[str], steps):
     """`_compare` with both models in `dtype`.
 
     fp64 first: a merged GEMM's reordering then shows at ~1e-16, so the tolerances leave no room for doubt even in
@@ -179,8 +189,8 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
     except Exception as error:  # noqa: BLE001 - upstream code: the original cannot build this config
         raise _Skip(f"the original does not build: {_short(error)}") from None
     fused = None
-    steps = ["eval", "train", "checkpointing"] if full else ["train", "eval"]
-    for step in steps:
+    full = bool(steps)
+    for step in steps or ("train", "eval"):
         if step == "checkpointing" and not original.supports_gradient_checkpointing:
             continue
         try:
@@ -194,7 +204,7 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
             return
         if fused is None:
             fused = _fused_copy(original, fused_class, config, mapping, merging, dtype)
-        actual = _run(lambda: _step(step, fused, input_ids, expected[2]), _WHERE[step])
+        actual = _run(_WHERE[step], _step, step, fused, input_ids, expected[2])
         _agree(check, expected, actual, mapping, _WHERE[step])
         if not full:
             return
@@ -256,9 +266,10 @@ def _unused(original: nn.Module, fused: nn.Module, merging: set[str]) -> list[st
     return sorted(name for name in merging if name.removeprefix(PREFIX) in originals and name not in built)
 
 
-def _run(step, where: str):
+def _run(where: str, function, *args):
+    """`function(*args)` on the fused model; its failure is a mismatch, since the original ran the same step."""
     try:
-        return step()
+        return function(*args)
     except Exception as error:  # noqa: BLE001 - the original ran this; the fused model must too
         raise _Mismatch(f"fused {where} fails where the original runs: {_short(error)}") from None
 
@@ -405,7 +416,7 @@ def construction_variants(target, config, limit: int = MAX_VARIANTS) -> list[tup
 
     Candidates (`candidate_changes`) are booleans flipped, optional fields set to None or to a small value,
     per-layer kind lists made uniform, layer index lists emptied or filled, layer-structure counters moved,
-    and MQA for the kv-head count. Each is built on `meta` and kept only if its module tree differs from the
+    and MQA for the kv-head count. Each is built (uninitialised) and kept only if its module tree differs from the
     tiny config's and from every variant kept so far (module types and paths, parameter names and shapes, tying);
     one whose config or model does not build is dropped. A false alarm costs one more check, a miss one less.
     """
@@ -415,17 +426,21 @@ def construction_variants(target, config, limit: int = MAX_VARIANTS) -> list[tup
     seen = {_structure(target, config)}
     variants = []
     read = _source_words(target)
+    probes = 0
     for name, value in candidate_changes(config):
         if len(variants) >= limit:
             break
+        if probes >= MAX_PROBES and name != "tie_word_embeddings":
+            continue
         if name not in read and name != "tie_word_embeddings":
-            continue  # the modeling code never names it, so its classes cannot build differently on it
+            continue  # the modeling module never names it (one read only elsewhere is a missed variant, no more)
+        probes += 1
         try:
             variant = model_config(target, tiny_config(config, **{name: value}))
             if getattr(variant, name, value) != value and not isinstance(value, list):
                 continue  # the config re-derived the field: not the variant asked for
             structure = _structure(target, variant)
-        except Exception:  # noqa: BLE001 - a variant the config or the model rejects is not a variant
+        except Exception:  # noqa: BLE001, S112 - a variant the config or the model rejects is not a variant
             continue
         if structure not in seen:
             seen.add(structure)
@@ -443,7 +458,8 @@ _KV_HEADS = re.compile(r"^(num_key_value_heads|num_kv_heads|n_kv_heads|multi_que
 
 
 def candidate_changes(config) -> list[tuple[str, object]]:
-    """`(field, new value)` pairs worth probing, booleans first; see `construction_variants`."""
+    """`(field, new value)` pairs worth probing, those likeliest to change a merged linear first (booleans such as
+    bias flags, optional sizes, layer kinds, MQA), tied embeddings last; see `construction_variants`."""
     from transformers import PreTrainedConfig
 
     base = {f.name for f in dataclasses.fields(PreTrainedConfig)} - {"tie_word_embeddings"}
@@ -456,7 +472,7 @@ def candidate_changes(config) -> list[tuple[str, object]]:
             continue
         try:
             value, hint = getattr(config, name), hints.get(name, "")
-        except Exception:  # noqa: BLE001 - a field its config refuses to read globally (per-layer values)
+        except Exception:  # noqa: BLE001, S112 - a field its config refuses to read globally (per-layer values)
             continue
         if isinstance(value, bool):
             booleans.append((name, not value))
@@ -470,15 +486,21 @@ def candidate_changes(config) -> list[tuple[str, object]]:
             kinds = list(dict.fromkeys(v for v in value if isinstance(v, str)))
             if len(kinds) > 1:
                 lists += [(name, [kind] * layers) for kind in kinds]
-        elif isinstance(value, (list, tuple)) and name.endswith("layers") and isinstance(layers, int):
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                lists.append((name, [] if value else [0]))
+        elif (
+            isinstance(value, (list, tuple))
+            and name.endswith("layers")
+            and isinstance(layers, int)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            lists.append((name, [] if value else [0]))
         if isinstance(value, int) and not isinstance(value, bool) and isinstance(layers, int):
             if _COUNTERS.match(name):
-                counters += [(name, new) for new in range(0, min(layers, 2) + 1) if new != value]
+                counters += [(name, new) for new in range(min(layers, 2) + 1) if new != value]
             elif _KV_HEADS.match(name) and value > 1:
                 counters.append((name, 1))
-    return booleans + optional + lists + counters
+    tied = [change for change in booleans if change[0] == "tie_word_embeddings"]
+    booleans = [change for change in booleans if change[0] != "tie_word_embeddings"]
+    return booleans + optional + lists + counters + tied  # tying touches no merged linear: last
 
 
 def _type_hints(cls) -> dict[str, str]:
@@ -517,9 +539,16 @@ _EVERYTHING = _Everything()
 
 
 def _structure(target, config) -> tuple:
-    """What `__init__` built, on `meta`: module paths and types, parameter names and shapes (tied ones once)."""
-    with torch.device("meta"):
+    """What `__init__` built: module paths and types, parameter names and shapes (tied ones once).
+
+    Built on the CPU without weight initialisation, then tied as `post_init` would: at tiny sizes that is half the
+    cost of `meta`, whose device mode intercepts every tensor call, and the values are never read.
+    """
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
         model = target.causal_lm(config)
+    model.tie_weights()
     modules = tuple((name, type(module).__name__) for name, module in model.named_modules())
     return modules + tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 
@@ -562,7 +591,7 @@ class _isolated:
         self.filename = filename
         try:
             exec(compile(self.text, filename, "exec"), module.__dict__)  # noqa: S102 - the text we just generated
-        except BaseException as error:
+        except BaseException as error:  # noqa: BLE001 - any failure to import is the verdict, after cleaning up
             self.__exit__(None, None, None)
             raise _Mismatch(f"the generated module does not import: {_short(error)}") from None
         return module

@@ -15,9 +15,11 @@ from fusegen import rewrite_forward
 from fusegen.build import build
 from generated.fused_llama import FusedLlamaForCausalLM
 from generated.fused_qwen2 import FusedQwen2ForCausalLM
+from tests import test_hazards
 from tests.conftest import GRAD_TOLERANCE, TOLERANCE, tiny_config
-from tests.test_hazards import GLU_INIT, MODULE, case_path, write_case  # noqa: F401 - case_path is a fixture
+from tests.test_hazards import GLU_INIT, write_case
 
+case_path = test_hazards.case_path  # the hazard tests' fixture: a package dir on sys.path for toy modules
 MODELS = {
     "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
@@ -137,3 +139,31 @@ def test_without_the_clone_the_build_refuses_by_validation(case_path, monkeypatc
     refusals = [r for o in result.outcomes for r in o.refused]
     assert refusals and all(r.rule == "validation-mismatch" for r in refusals), refusals
     assert "SplitWithSizes" in refusals[0].reason and "train mode" in refusals[0].reason, refusals[0].reason
+
+
+def test_olmo_clip_qkv_trains_like_the_original():
+    """OLMo clamps q/k/v in place when `clip_qkv` is set; before the fix its fused model could not train then.
+
+    The tiny config leaves `clip_qkv` unset (a forward-only field, so no construction variant covers it): the
+    build must clone the clamped pieces anyway, and with the clones removed validation under clip_qkv fails.
+    """
+    from fusegen import validate
+    from fusegen.coverage import model_config
+    from fusegen.shrink import tiny_config as shrunk
+
+    result = build("olmo")
+    assert "q_proj_out = q_proj_out.clone()" in result.text and "v_proj_out = v_proj_out.clone()" in result.text
+    assert "gate_proj_out = gate_proj_out.clone()" not in result.text  # the MLP writes nothing in place
+    target = result.target
+    config = model_config(target, shrunk(target.config_class, clip_qkv=0.5))
+    unfixed = "\n".join(line for line in result.text.splitlines() if not line.strip().endswith("_out.clone()"))
+    checks = {}
+    for name, text in (("fixed", result.text), ("unfixed", unfixed)):
+        with validate._isolated(text, target) as module:
+            fused_class = getattr(module, "Fused" + target.causal_lm.__name__)
+            checks[name] = validate.check_config(
+                "clip_qkv=0.5", target.causal_lm, fused_class, config, module.STACKED_PARAMS_MAPPING,
+                validate.merging_classes(text), ("eval", "train"),
+            )  # fmt: skip
+    assert checks["fixed"].status == "passed" and checks["fixed"].grad_diff is not None, checks["fixed"]
+    assert checks["unfixed"].status == "mismatch" and "SplitWithSizes" in checks["unfixed"].detail, checks["unfixed"]

@@ -30,7 +30,7 @@ def llama():
 
 def test_llama_passes_on_the_tiny_config_and_its_variants(llama):
     checks = {check.config: check for check in llama.validation.checks}
-    assert {"tiny", "attention_bias=True", "mlp_bias=True", "tie_word_embeddings=True"} <= set(checks), checks
+    assert {"tiny", "attention_bias=True", "mlp_bias=True", "num_key_value_heads=1"} <= set(checks), checks
     for check in checks.values():
         assert check.status == "passed", check
         assert check.logits_diff <= TOLERANCE and check.grad_diff is not None, check
@@ -140,3 +140,14 @@ def test_a_config_the_original_cannot_run_is_skipped_not_passed():
     target = resolve("llama")
     check = check_config("x=1", Broken, None, tiny_config(target.config_class), {}, set())
     assert check == Check("x=1", "skipped", check.detail) and "not supported" in check.detail
+
+
+def test_check_fails_when_a_checked_in_file_no_longer_validates(monkeypatch, tmp_path, capsys):
+    from fusegen.cli import main
+
+    render = fusegen.build.render
+    (tmp_path / "fused_llama.py").write_text("# an old file\n")
+    monkeypatch.setattr(fusegen.build, "render", lambda **context: render(**context) + "\nraise RuntimeError('x')\n")
+    assert main(["build", "--check", "llama", "--output-dir", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "validation-mismatch" in captured.out and "is stale" in captured.err
