@@ -97,6 +97,7 @@ def test_importing_a_generated_file_loads_no_compiler_machinery():
         "fusegen.runtime.checkpoint",
         "fusegen.runtime.linear",
         "fusegen.runtime.loading",
+        "fusegen.runtime.streaming",
     }
 
 

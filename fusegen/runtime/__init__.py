@@ -28,6 +28,10 @@ _TP_EXPORTS = (
 
 
 def __getattr__(name: str):
+    if name == "fused_from_pretrained":  # imported when a generated class's from_pretrained runs, not on import
+        from .pretrained import fused_from_pretrained
+
+        return fused_from_pretrained
     if name in _TP_EXPORTS:
         from . import tp
 
@@ -44,6 +48,7 @@ __all__ = [
     "MergedColumnSplit",
     "PartitionedConcatenate",
     "build_stacked_converters",
+    "fused_from_pretrained",
     "init_fused_parallel_plans",
     "load_checkpoint",
     "load_weights",
