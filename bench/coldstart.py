@@ -15,7 +15,7 @@ Each child runs bench/run.py's `child_load`: import, then `from_pretrained(dtype
 then one 16-token forward; the figure is load + first forward (the first forward is where a memory-mapped weight is
 actually read). Peak RSS is the child's `ru_maxrss` over the whole run. Printed per shape: the median of each variant,
 the ratio of medians to the original, and the spread (min-max) of the per-round ratios. Rounds during which other
-processes used more than --noise-threshold cores are repeated (up to 3x) and left out, as in bench/run.py.
+processes used more than --noise-threshold cores are repeated (up to --max-rounds-factor x) and left out, as in bench/run.py.
 
 Shapes: Llama-3.2-1B and Qwen2.5-0.5B as in bench/run.py (4 layers), and Llama-3.2-3B shapes (hidden 3072,
 intermediate 8192, 24 heads, 8 kv heads, head_dim 128) with 8 layers (a 2.4 GB bf16 checkpoint).
@@ -71,7 +71,9 @@ def measure(shape: str, runs: int, threads: int, workdir: Path) -> dict:
     layers = LAYERS.get(shape, 4)
     start = time.perf_counter()
     canonical = run.write_checkpoints(shape, layers, workdir, dtypes=("bf16",))["bf16"]
-    fused = convert_checkpoint(canonical, workdir / f"{shape}-fused", run.SHAPES[shape]["model_type"])
+    fused = convert_checkpoint(
+        canonical, workdir / f"{shape}-fused", run.SHAPES[shape]["model_type"], generated_dir=run.ROOT / "generated"
+    )
     size = sum(p.stat().st_size for p in canonical.glob("*.safetensors")) / 2**20
     run.log(f"[{shape}, {layers} layers, {size:.0f} MiB bf16] wrote and converted in {time.perf_counter() - start:.0f} s")
     runners = [lambda v=variant: child(v, canonical, fused, threads) for variant in VARIANTS]
@@ -143,6 +145,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="llama1b,qwen05b,llama3b")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in each child (default: cores)")
     parser.add_argument("--noise-threshold", type=float, default=0.15, help="see bench/run.py (default 0.15)")
+    parser.add_argument(
+        "--max-rounds-factor", type=float, default=2.0, help="at most this many x --runs rounds when dropping noisy ones"
+    )
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure as JSON")
     args = parser.parse_args()
 
@@ -152,7 +157,7 @@ def main() -> None:
     import torch
 
     run.quiet_transformers()
-    run.SAMPLER = run.Sampler(args.noise_threshold, 3.0)
+    run.SAMPLER = run.Sampler(args.noise_threshold, args.max_rounds_factor)
     threads = args.threads or os.cpu_count()
     run.log(
         f"fusegen cold start: torch {torch.__version__}, {os.cpu_count()} cores, {threads} threads per child, "

@@ -72,7 +72,7 @@ FROM_PRETRAINED_METHOD = '''
 @classmethod
 def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
     """Transformers' from_pretrained, for the canonical layout and `fusegen convert`'s fused one (validated first)."""
-    from fusegen.runtime.pretrained import fused_from_pretrained
+    from fusegen.runtime import fused_from_pretrained
 
     return fused_from_pretrained(cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs)
 '''

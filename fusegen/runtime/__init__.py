@@ -38,6 +38,10 @@ _TP_EXPORTS = (
 
 
 def __getattr__(name: str):
+    if name == "fused_from_pretrained":  # imported when a generated class's from_pretrained runs, not on import
+        from .pretrained import fused_from_pretrained
+
+        return fused_from_pretrained
     if name in _TP_EXPORTS:
         from . import tp
 
@@ -58,6 +62,7 @@ __all__ = [
     "build_stacked_converters",
     "check_loading",
     "check_source",
+    "fused_from_pretrained",
     "init_fused_parallel_plans",
     "load_adapter_packed",
     "load_checkpoint",
