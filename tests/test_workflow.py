@@ -3,6 +3,7 @@
 import os
 import shutil
 import subprocess
+import zipfile
 import sys
 import sysconfig
 from pathlib import Path
@@ -77,8 +78,11 @@ def test_wheel_install_builds_from_any_directory(tmp_path):
     # A non-editable install must carry the templates: build a wheel, install it without
     # dependencies into a venv that sees this environment's packages, run it from elsewhere.
     wheels = tmp_path / "wheels"
+    # Build from a clean copy: setuptools reuses a checkout's stale build/ directory.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "bench"))
     built = run(
-        sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, ROOT, cwd=tmp_path
+        sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, source, cwd=tmp_path
     )
     assert built.returncode == 0, built.stderr[-2000:]
     venv = tmp_path / "venv"
@@ -98,3 +102,12 @@ def test_wheel_install_builds_from_any_directory(tmp_path):
     assert (elsewhere / "out" / "fused_llama.py").read_text() == (ROOT / "generated" / "fused_llama.py").read_text()
     origin = run(python, "-c", "import fusegen, sys; print(fusegen.__file__)", cwd=elsewhere).stdout
     assert str(ROOT) not in origin
+    # The pre-built fused files ship as fusegen.models; no top-level `generated` lands in site-packages.
+    with zipfile.ZipFile(wheel) as archive:
+        tops = {name.partition("/")[0] for name in archive.namelist()}
+        assert "fusegen/models/fused_llama.py" in archive.namelist()
+    assert "generated" not in tops
+    probe = "import fusegen.models.fused_llama as m; print(m.__file__)"
+    shipped = run(python, "-c", probe, cwd=elsewhere)
+    assert shipped.returncode == 0, shipped.stderr[-2000:]
+    assert str(ROOT) not in shipped.stdout
