@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import run  # noqa: E402  (bench/run.py: shapes, checkpoint writer, launcher, noise-aware sampler, child_load)
+import run
 
 run.SHAPES.setdefault(
     "llama3b",
@@ -75,7 +75,9 @@ def measure(shape: str, runs: int, threads: int, workdir: Path) -> dict:
         canonical, workdir / f"{shape}-fused", run.SHAPES[shape]["model_type"], generated_dir=run.ROOT / "generated"
     )
     size = sum(p.stat().st_size for p in canonical.glob("*.safetensors")) / 2**20
-    run.log(f"[{shape}, {layers} layers, {size:.0f} MiB bf16] wrote and converted in {time.perf_counter() - start:.0f} s")
+    run.log(
+        f"[{shape}, {layers} layers, {size:.0f} MiB bf16] wrote and converted in {time.perf_counter() - start:.0f} s"
+    )
     runners = [lambda v=variant: child(v, canonical, fused, threads) for variant in VARIANTS]
     columns, info = run.SAMPLER.interleaved(runners, 0, runs)
     shutil.rmtree(canonical)
@@ -87,8 +89,10 @@ def measure(shape: str, runs: int, threads: int, workdir: Path) -> dict:
         if not good:
             result["variants"][variant] = {"error": samples[0]["error"]}
             continue
-        row = {key: statistics.median(s[key] for s in good) for key in ("from_pretrained_s", "first_forward_s",
-                                                                            "load_s", "peak_rss_mib")}
+        row = {
+            key: statistics.median(s[key] for s in good)
+            for key in ("from_pretrained_s", "first_forward_s", "load_s", "peak_rss_mib")
+        }
         if variant != "original":
             for key in ("load_s", "peak_rss_mib"):
                 paired = [s[key] / r[key] for s, r in zip(samples, reference) if "error" not in s and "error" not in r]
@@ -113,12 +117,20 @@ def report(results: list[dict]) -> None:
             if "error" in row:
                 run.log(f"{result['shape']:9} {variant:13} failed: {row['error']}")
                 continue
-            ratios = "" if variant == "original" else (
-                f"{row['load_s_ratio']:6.3f} {row['load_s_ratio_spread'][0]:5.2f}-{row['load_s_ratio_spread'][1]:<5.2f}"
+            ratios = (
+                ""
+                if variant == "original"
+                else (
+                    f"{row['load_s_ratio']:6.3f} {row['load_s_ratio_spread'][0]:5.2f}-{row['load_s_ratio_spread'][1]:<5.2f}"
+                )
             )
-            rss = "" if variant == "original" else (
-                f"{row['peak_rss_mib_ratio']:6.3f} {row['peak_rss_mib_ratio_spread'][0]:5.2f}-"
-                f"{row['peak_rss_mib_ratio_spread'][1]:<5.2f}"
+            rss = (
+                ""
+                if variant == "original"
+                else (
+                    f"{row['peak_rss_mib_ratio']:6.3f} {row['peak_rss_mib_ratio_spread'][0]:5.2f}-"
+                    f"{row['peak_rss_mib_ratio_spread'][1]:<5.2f}"
+                )
             )
             run.log(
                 f"{result['shape']:9} {variant:13} {row['from_pretrained_s']:7.3f} {row['first_forward_s']:9.3f} "
@@ -146,7 +158,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads in each child (default: cores)")
     parser.add_argument("--noise-threshold", type=float, default=0.15, help="see bench/run.py (default 0.15)")
     parser.add_argument(
-        "--max-rounds-factor", type=float, default=2.0, help="at most this many x --runs rounds when dropping noisy ones"
+        "--max-rounds-factor",
+        type=float,
+        default=2.0,
+        help="at most this many x --runs rounds when dropping noisy ones",
     )
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure as JSON")
     args = parser.parse_args()
@@ -171,7 +186,9 @@ def main() -> None:
             results.append(measure(shape, runs, threads, Path(tmp)))
     run.LAUNCHER.close()
     report(results)
-    run.log(f"\nwall time {time.perf_counter() - started:.0f} s; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    run.log(
+        f"\nwall time {time.perf_counter() - started:.0f} s; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -938,7 +938,9 @@ def bench_device(shape: str, path: Path, device, modes, cfg: dict, compile_backe
                 cache = _mode_cache(mode, model, batch, cache_len + 2)
                 start = time.perf_counter()
                 with torch.inference_mode():  # prefill, then one step (compiles both graphs in compile mode)
-                    out = model(ids, use_cache=True, logits_to_keep=1, **({} if cache is None else {CACHE_KWARG: cache}))
+                    out = model(
+                        ids, use_cache=True, logits_to_keep=1, **({} if cache is None else {CACHE_KWARG: cache})
+                    )
                     cache = out.cache
                     diffs.append(model(tokens, **{CACHE_KWARG: cache}, use_cache=True).logits.float())
                     cache.crop(-1)

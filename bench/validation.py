@@ -98,7 +98,9 @@ def variants() -> None:
     from fusegen.shrink import tiny_config
     from fusegen.validate import construction_variants
 
-    print("\n## construction variants per checked-in file (the build validates the first MAX_VARIANTS; the test up to 8)")
+    print(
+        "\n## construction variants per checked-in file (the build validates the first MAX_VARIANTS; the test up to 8)"
+    )
     for path in sorted(Path(generated.__file__).parent.glob("fused_*.py")):
         target = resolve(path.stem.removeprefix("fused_"))
         config = model_config(target, tiny_config(target.config_class))

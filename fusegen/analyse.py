@@ -17,8 +17,8 @@ from fusegen.match import find_groups, merged_name
 from fusegen.plan import ClassOutcome, FusionPlan, Refusal, Refused
 from fusegen.rewrite_forward import rewrite_forward
 from fusegen.rewrite_init import check_no_other_uses, rewrite_init
-from fusegen.safety import check_projections, projection_findings
 from fusegen.runtime.linear import sizes_attribute
+from fusegen.safety import check_projections, projection_findings
 from fusegen.trace import Recorded, trace_module
 
 

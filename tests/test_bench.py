@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import run as bench  # noqa: E402
+import run as bench
 
 TINY_CFG = {
     **bench.QUICK,

@@ -17,8 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from fusegen.convert import convert_checkpoint
-from fusegen.runtime import CheckpointError, load_checkpoint
-from fusegen.runtime import loading, streaming
+from fusegen.runtime import CheckpointError, load_checkpoint, loading
 from fusegen.runtime.streaming import concatenate_into_new, file_region, fill_from_file, reading_session
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
 from generated.fused_qwen2 import FusedQwen2ForCausalLM
@@ -73,7 +72,9 @@ def test_fused_layout_through_from_pretrained_converts_dtype(checkpoint, tmp_pat
     model = FusedLlamaForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     weight = model.model.layers[0].self_attn.qkv_proj.weight
     assert weight.dtype == torch.bfloat16
-    expected = torch.cat([original.model.layers[0].self_attn.q_proj.weight, original.model.layers[0].self_attn.k_proj.weight])
+    expected = torch.cat(
+        [original.model.layers[0].self_attn.q_proj.weight, original.model.layers[0].self_attn.k_proj.weight]
+    )
     assert torch.equal(weight[: expected.shape[0]], expected.to(torch.bfloat16))
 
 
@@ -129,7 +130,9 @@ def test_canonical_from_pretrained_matches_the_original(checkpoint, model_type, 
 
 
 def test_sharded_canonical_from_pretrained(checkpoint):
-    path, original = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2), max_shard_size="20KB")
+    path, original = checkpoint(
+        LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2), max_shard_size="20KB"
+    )
     assert (path / "model.safetensors.index.json").exists()
     assert torch.equal(logits(FusedLlamaForCausalLM.from_pretrained(path)), logits(original))
 
@@ -180,7 +183,9 @@ def test_load_checkpoint_converts_in_chunks(checkpoint, monkeypatch):
     monkeypatch.setattr(loading, "_BOUNCE_BYTES", 1000)  # several chunks per tensor, and a ragged last one
     model = FusedLlamaForCausalLM(original.config).to(torch.float64)
     load_checkpoint(model, path)
-    expected = torch.cat([original.model.layers[0].self_attn.q_proj.weight, original.model.layers[0].self_attn.k_proj.weight])
+    expected = torch.cat(
+        [original.model.layers[0].self_attn.q_proj.weight, original.model.layers[0].self_attn.k_proj.weight]
+    )
     assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight[:96], expected.double())
 
 
@@ -193,7 +198,9 @@ def test_load_checkpoint_converts_in_chunks(checkpoint, monkeypatch):
 @pytest.mark.parametrize("layout", ["canonical", "fused"])
 def test_truncated_file_is_refused_by_from_pretrained(checkpoint, tmp_path, layout, dtype):
     source, out, _, _ = fused_checkpoint(checkpoint, tmp_path)
-    path = (source if layout == "canonical" else out) / ("model.safetensors" if layout == "canonical" else "fused.safetensors")
+    path = (source if layout == "canonical" else out) / (
+        "model.safetensors" if layout == "canonical" else "fused.safetensors"
+    )
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="truncated") as error:
         FusedLlamaForCausalLM.from_pretrained(path.parent, dtype=dtype)
@@ -233,8 +240,7 @@ def test_pickle_only_checkpoint_is_refused_by_from_pretrained_unless_allowed(tmp
     assert torch.equal(logits(model), logits(original))
 
 
-CUT_AFTER_VALIDATION = textwrap.dedent(
-    """
+CUT_AFTER_VALIDATION = textwrap.dedent("""
     import os, sys, torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -270,8 +276,7 @@ CUT_AFTER_VALIDATION = textwrap.dedent(
             fill_from_file(torch.empty_like(view), view)
         except CheckpointError as error:
             print("from_pretrained merge:", "model.safetensors" in str(error))
-    """
-)
+    """)
 
 
 def test_file_cut_after_validation_raises_not_sigbus(tmp_path):
@@ -279,7 +284,12 @@ def test_file_cut_after_validation_raises_not_sigbus(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
         [sys.executable, "-c", CUT_AFTER_VALIDATION, str(tmp_path / "ckpt")],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.split("\n")[:2] == ["load_checkpoint: True", "from_pretrained merge: True"], result.stdout

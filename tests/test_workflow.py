@@ -3,9 +3,9 @@
 import os
 import shutil
 import subprocess
-import zipfile
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest

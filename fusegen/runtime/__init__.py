@@ -15,13 +15,13 @@ from .checkpoint import (
 )
 from .linear import MergedColumnLinear
 from .loading import CheckpointError, load_checkpoint, load_weights, save_checkpoint
-from .strict import check_loading
 from .peft import AdapterError
 from .peft import load_adapter as load_adapter_packed
+from .strict import check_loading
+from .version import StaleGeneratedFile, check_source
 
 # PEFT learns about merged linears when it is imported (now, or later); importing this package never imports PEFT.
 _peft.arm()
-from .version import StaleGeneratedFile, check_source
 
 # What a generated causal LM's `load_weights` method calls (a distinct name, so the method does not shadow it).
 stream_weights = load_weights

@@ -34,9 +34,8 @@ from transformers.conversion_mapping import (
 )
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
-from .streaming import PreallocatedConcatenate
-
 from .quant import check_quantized_pieces, check_quantized_save
+from .streaming import PreallocatedConcatenate
 
 # Checkpoint names are used as regexes by Transformers; restricting them to dotted identifiers means no character in
 # them can act as a regex operator (a `.` matching any char is harmless between identifiers).

@@ -73,8 +73,9 @@ def file_region(address: int) -> FileRegion | None:
             return None
         major, _, minor = fields[2].partition(b":")
         path = os.fsdecode(fields[4].rstrip())
-        return FileRegion(int(low, 16), int(high, 16), int(fields[1], 16), (int(major, 16), int(minor, 16)),
-                          int(fields[3]), path)
+        return FileRegion(
+            int(low, 16), int(high, 16), int(fields[1], 16), (int(major, 16), int(minor, 16)), int(fields[3]), path
+        )
     return None
 
 
