@@ -55,7 +55,13 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     slice_logits_to_keep,
 )
 
-from fusegen.runtime import MergedColumnLinear, check_loading, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import (
+    MergedColumnLinear,
+    check_loading,
+    register_fused_causal_lm,
+    register_stacked_checkpoint,
+    stream_weights,
+)
 
 STACKED_PARAMS_MAPPING = {"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
 packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -82,11 +88,12 @@ class FusedDeepseekV3MLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(
             self.hidden_size, [self.intermediate_size, self.intermediate_size], bias=False
         )
+        self.gate_up_proj_sizes = self.gate_up_proj.output_sizes
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
-        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(self.gate_up_proj.output_sizes, dim=-1)
+        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(self.gate_up_proj_sizes, dim=-1)
         down_proj = self.down_proj(self.act_fn(gate_proj_out) * up_proj_out)
         return down_proj
 
@@ -193,9 +200,32 @@ class FusedDeepseekV3PreTrainedModel(PreTrainedModel):
         return super()._finalize_model_loading(model, load_config, loading_info)
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Transformers' from_pretrained, for the canonical layout and `fusegen convert`'s fused one (validated first)."""
+        from fusegen.runtime import fused_from_pretrained
+
+        return fused_from_pretrained(
+            cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
+        )
+
+    @classmethod
     def is_custom_code(cls):
         """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
         return False
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
+        from fusegen.runtime import save_pretrained_canonically
+
+        return save_pretrained_canonically(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
+        """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
+        from fusegen.runtime import load_adapter_packed
+
+        return load_adapter_packed(
+            self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs
+        )
 
     @classmethod
     def _can_set_experts_implementation(cls):
@@ -353,6 +383,7 @@ class FusedDeepseekV3ForCausalLM(FusedDeepseekV3PreTrainedModel, GenerationMixin
 register_stacked_checkpoint(
     ["FusedDeepseekV3Model"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp", "shared_experts"]}
 )
+register_fused_causal_lm(FusedDeepseekV3ForCausalLM)
 
 __all__ = [
     "FusedDeepseekV3DecoderLayer",

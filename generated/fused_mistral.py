@@ -56,7 +56,13 @@ from transformers.models.mistral.modeling_mistral import (
     use_kernelized_func,
 )
 
-from fusegen.runtime import MergedColumnLinear, check_loading, register_stacked_checkpoint, stream_weights
+from fusegen.runtime import (
+    MergedColumnLinear,
+    check_loading,
+    register_fused_causal_lm,
+    register_stacked_checkpoint,
+    stream_weights,
+)
 
 STACKED_PARAMS_MAPPING = {
     "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
@@ -84,11 +90,12 @@ class FusedMistralMLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(
             self.hidden_size, [self.intermediate_size, self.intermediate_size], bias=False
         )
+        self.gate_up_proj_sizes = self.gate_up_proj.output_sizes
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
-        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(self.gate_up_proj.output_sizes, dim=-1)
+        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(self.gate_up_proj_sizes, dim=-1)
         down_proj = self.down_proj(self.act_fn(gate_proj_out) * up_proj_out)
         return down_proj
 
@@ -115,6 +122,7 @@ class FusedMistralAttention(nn.Module):
             ],
             bias=False,
         )
+        self.qkv_proj_sizes = self.qkv_proj.output_sizes
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -128,7 +136,7 @@ class FusedMistralAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
+        q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(self.qkv_proj_sizes, dim=-1)
         query_states = q_proj_out.view(hidden_shape).transpose(1, 2)
         key_states = k_proj_out.view(hidden_shape).transpose(1, 2)
         value_states = v_proj_out.view(hidden_shape).transpose(1, 2)
@@ -215,9 +223,32 @@ class FusedMistralPreTrainedModel(PreTrainedModel):
         return super()._finalize_model_loading(model, load_config, loading_info)
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Transformers' from_pretrained, for the canonical layout and `fusegen convert`'s fused one (validated first)."""
+        from fusegen.runtime import fused_from_pretrained
+
+        return fused_from_pretrained(
+            cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
+        )
+
+    @classmethod
     def is_custom_code(cls):
         """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
         return False
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
+        from fusegen.runtime import save_pretrained_canonically
+
+        return save_pretrained_canonically(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
+        """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
+        from fusegen.runtime import load_adapter_packed
+
+        return load_adapter_packed(
+            self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs
+        )
 
 
 @auto_docstring
@@ -370,6 +401,7 @@ class FusedMistralForCausalLM(FusedMistralPreTrainedModel, GenerationMixin):
 register_stacked_checkpoint(
     ["FusedMistralModel"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]}
 )
+register_fused_causal_lm(FusedMistralForCausalLM)
 
 __all__ = [
     "FusedMistralAttention",
