@@ -397,25 +397,48 @@ def _construction_sites(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[
             holders.setdefault(cls.__name__, []).extend(merged_by_class.get(base.__name__, []))
     holders = {name: merged for name, merged in holders.items() if merged}
     found: dict[str, set[str]] = {}
+    tables = _class_tables(classes, set(holders))
     for cls in classes:
         try:
             classdef = astutil.parse_class(cls)
         except Refused:
             continue
-        for holder, attribute in _holder_references(classdef, set(holders)):
+        for holder, attribute in _holder_references(classdef, set(holders), tables):
             for merged in holders[holder]:
                 found.setdefault(merged, set()).add(attribute)
     return found
 
 
-def _holder_references(classdef: ast.ClassDef, holders: set[str]) -> list[tuple[str, str]]:
+def _class_tables(classes, holders: set[str]) -> dict[str, set[str]]:
+    """Module-level names whose statements name holder classes (`CLASSES = {"a": Holder}`): name -> holders.
+
+    A holder reached through such a name is constructed wherever the name is used, so each use counts as a
+    reference to every holder it names (see `_holder_references`).
+    """
+    tables: dict[str, set[str]] = {}
+    for filename in sorted({inspect.getsourcefile(cls) or "" for cls in classes} - {""}):
+        for stmt in astutil._module_tree(filename).body:
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                named = {n.id for n in ast.walk(stmt.value) if isinstance(n, ast.Name) and n.id in holders}
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                for target in targets:
+                    if isinstance(target, ast.Name) and named:
+                        tables.setdefault(target.id, set()).update(named)
+    return tables
+
+
+def _holder_references(
+    classdef: ast.ClassDef, holders: set[str], tables: dict[str, set[str]] | None = None
+) -> list[tuple[str, str]]:
     """(holder, attribute) per reference to a holder class in the methods of `classdef`.
 
     `self.<attribute> = Holder(...)`, also as a branch of a conditional
-    expression, gives the attribute; every other reference gives "" (a type
-    check `isinstance(m, Holder)` and `super(Holder, self)` construct nothing
-    and are skipped).
+    expression, gives the attribute; so does `self.<attribute> = TABLE[key](...)`
+    for every holder a module-level class table names. Every other reference
+    gives "" (a type check `isinstance(m, Holder)` and `super(Holder, self)`
+    construct nothing and are skipped).
     """
+    tables = tables or {}
     direct: dict[int, str] = {}
     skipped: set[int] = set()
     functions = [stmt for stmt in classdef.body if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -424,18 +447,19 @@ def _holder_references(classdef: ast.ClassDef, holders: set[str]) -> list[tuple[
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if len(targets) == 1 and astutil.self_attr(targets[0]) and node.value is not None:
                 for call in _direct_calls(node.value):
-                    direct[id(call.func)] = targets[0].attr
+                    table = call.func.value if isinstance(call.func, ast.Subscript) else call.func
+                    direct[id(table)] = targets[0].attr
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id in ("isinstance", "issubclass"):
                 skipped.update(id(n) for argument in node.args[1:] for n in ast.walk(argument))
             elif node.func.id == "super" and node.args:
                 skipped.add(id(node.args[0]))
-    return [
-        (node.id, direct.get(id(node), ""))
-        for function in functions
-        for node in ast.walk(function)
-        if isinstance(node, ast.Name) and node.id in holders and id(node) not in skipped
-    ]
+    references = []
+    for node in (n for function in functions for n in ast.walk(function)):
+        if isinstance(node, ast.Name) and id(node) not in skipped:
+            for holder in {node.id} & holders | tables.get(node.id, set()):
+                references.append((holder, direct.get(id(node), "")))
+    return references
 
 
 def _direct_calls(expression: ast.expr) -> list[ast.Call]:

@@ -10,7 +10,6 @@ TABLES = {
     "gpt_neo": 'FUSED_GPT_NEO_ATTENTION_CLASSES = {"eager": FusedGPTNeoSelfAttention}',
     "jamba": "FUSED_ALL_DECODER_LAYER_TYPES = {",
     "nemotron_h": '"full_attention": FusedNemotronHAttention,',
-    "deepseek_v4": '"sliding_attention": None,',  # a table with a None entry
     "gemma4": "self.language_model = FusedGemma4TextModel._from_config(config.text_config)",
 }
 
@@ -57,3 +56,20 @@ def test_from_config_is_followed_only_on_the_class_config_itself(source, expecte
     from fusegen.propagate import _config_is_the_parameter
 
     assert _config_is_the_parameter(ast.parse(source).body[0]) is expected
+
+
+def test_a_holder_built_from_a_class_table_is_scoped_by_the_attribute_it_is_assigned_to():
+    # `self.compressor = TABLE[kind](config)` places every holder the table names under `compressor`; any other
+    # use of the table (passing it on) leaves those holders unscoped ("").
+    import ast
+
+    from fusegen.build import _holder_references
+
+    classdef = ast.parse(
+        "class Attention:\n"
+        "    def __init__(self, config):\n"
+        "        self.compressor = TABLE[config.kind](config) if config.kind else None\n"
+        "        self.other = build_from(TABLE)\n"
+    ).body[0]
+    references = _holder_references(classdef, {"Holder"}, {"TABLE": {"Holder"}})
+    assert sorted(references) == [("Holder", ""), ("Holder", "compressor")]
