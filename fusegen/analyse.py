@@ -7,6 +7,7 @@ recorded with its reason and the class keeps its original projections.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import inspect
 
@@ -70,7 +71,8 @@ def analyse_class(
                     raise Refused("name-clash", f"the class already uses the name {name}", taken.get(name))
             check_no_other_uses(candidate, plan)
             rewrite_init(astutil.method(candidate, "__init__"), plan, namespace)
-            rewrite_forward(astutil.method(candidate, "forward"), plan, instance, namespace)
+            with _merged_linears_present(instance, outcome.fused):
+                rewrite_forward(astutil.method(candidate, "forward"), plan, instance, namespace)
         except Refused as refusal:
             outcome.refused.append(Refusal(plan.projections, refusal.rule, refusal.reason, refusal.line))
             if refusal.rule == "different-inputs":
@@ -80,6 +82,25 @@ def analyse_class(
         taken[plan.merged] = taken[sizes_attribute(plan.merged)] = None
         outcome.fused.append(plan)
     return outcome, (classdef if outcome.fused else None)
+
+
+@contextlib.contextmanager
+def _merged_linears_present(instance: nn.Module, fused: list[FusionPlan]):
+    """`instance` with a plain meta `nn.Linear` under each merged name fused so far, for the analysis only.
+
+    A later plan's forward already calls the earlier merged linear (`self.gate_up_proj(x).split(...)`); it is
+    made of plain linears (`check_projections`), so its output is new storage, which the safety rules can only
+    see if the name resolves to an `nn.Linear`. The children are removed again before anything else reads
+    `instance`.
+    """
+    added = [plan.merged for plan in fused if plan.merged not in instance._modules]
+    for name in added:
+        instance._modules[name] = nn.Linear(1, 1, device="meta")
+    try:
+        yield
+    finally:
+        for name in added:
+            del instance._modules[name]
 
 
 def _plain_subplans(instance: nn.Module, plan: FusionPlan) -> list[FusionPlan]:
