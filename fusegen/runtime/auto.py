@@ -55,8 +55,15 @@ def save_pretrained(model, save, save_directory, *args, **kwargs):
         )
     result = save(save_directory, *args, **kwargs)
     model.config.architectures = canonical_architectures(model.config.architectures)
-    rewrite_config_architectures(save_directory)
+    if kwargs.get("is_main_process", True) and _first_rank():
+        rewrite_config_architectures(save_directory)  # one writer: under TP every rank saves into one directory
     return result
+
+
+def _first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def register_fused_causal_lm(model_class: type) -> None:
