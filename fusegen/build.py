@@ -175,14 +175,7 @@ def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] |
     target, model, outcomes, rewritten = analysis.target, analysis.model, analysis.outcomes, analysis.rewritten
     if not rewritten:
         return BuildResult(target, outcomes, None)
-    emitted = classes_to_emit(target.module, model, rewritten)
-    stray = {cls.__name__ for cls in rewritten} - constructed_classes(emitted, target.causal_lm.__name__)
-    if stray:
-        outcomes = _unreachable(outcomes, target, stray, model)
-        rewritten = {cls: classdef for cls, classdef in rewritten.items() if cls.__name__ not in stray}
-        if not rewritten:
-            return BuildResult(target, outcomes, None)
-        emitted = classes_to_emit(target.module, model, rewritten)
+    emitted = classes_to_emit(target.module, model, rewritten)  # `analyse` already refused what is unreachable
     renames = fused_names(emitted)
     _add_methods(emitted, target, model)
     used: dict[str, tuple[ModuleType | None, str]] = {}
