@@ -66,7 +66,7 @@ def child(variant: str, canonical: Path, fused: Path, threads: int) -> tuple[dic
 
 
 def measure(shape: str, runs: int, threads: int, workdir: Path) -> dict:
-    from fusegen.convert import convert_checkpoint
+    from fusegen.tools.convert import convert_checkpoint
 
     layers = LAYERS.get(shape, 4)
     start = time.perf_counter()

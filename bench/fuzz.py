@@ -7,7 +7,7 @@ projection calls with statements drawn from hazard families (views written in pl
 computed callees, augmented assignment on aliases, reflection, in-place `operator` functions and
 dunders, closures, escapes, frame access) and from safe ones (metadata, pure torch calls, read-only
 `detach`), under a setup drawn from hooks, subclassed and parametrized projections. It is compiled
-with `fusegen.build.build`; when anything is fused, the original and the fused `ToyLayer` run on one
+with `fusegen.compiler.build.build`; when anything is fused, the original and the fused `ToyLayer` run on one
 input with the same weights (copied in memory, merged pieces concatenated, no checkpoint files) and
 must agree. Prints the examples, how many fused, the refusals by rule, the miscompiles (must be 0)
 and the seconds taken. tests/test_properties.py drives the same generator through Hypothesis, and
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import torch
 import transformers
 
-from fusegen.build import build
+from fusegen.compiler.build import build
 from tests.test_hazards import module_source
 
 CALLS = ("q = self.q_proj(x)", "k = self.k_proj(x)", "v = self.v_proj(x)")

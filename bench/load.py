@@ -110,7 +110,7 @@ def write_checkpoints(directory: Path, hidden: int, layers: int) -> tuple[Path, 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fusegen.convert import convert_checkpoint
+    from fusegen.tools.convert import convert_checkpoint
 
     config = LlamaConfig(
         vocab_size=32000,

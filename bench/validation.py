@@ -5,7 +5,7 @@
 1. `fusegen -q build llama qwen2` (validated, as users run it) against the import floor (importing the two
    modeling modules) and against the same pipeline with validation off (`build(name, validate=False)`), each a
    fresh process, interleaved A B C A B C ..., medians.
-2. In this process: the seconds `fusegen.validate.validate` takes per target (with the gradient-checkpointing step
+2. In this process: the seconds `fusegen.compiler.validate.validate` takes per target (with the gradient-checkpointing step
    the build skips), median of 3, and what each check
    found (max abs logit difference, max relative gradient difference, eval/train/gradient checkpointing).
 3. The construction variants found for every checked-in generated file.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = "import transformers.models.llama.modeling_llama, transformers.models.qwen2.modeling_qwen2"
-UNVALIDATED = "from fusegen.build import build\nfor name in ('llama', 'qwen2'):\n    build(name, validate=False)"
+UNVALIDATED = "from fusegen.compiler.build import build\nfor name in ('llama', 'qwen2'):\n    build(name, validate=False)"
 
 
 def timed(command: list[str]) -> tuple[float, float]:
@@ -71,8 +71,8 @@ def build_cost(rounds: int) -> None:
 
 
 def in_process() -> None:
-    from fusegen.build import build
-    from fusegen.validate import validate
+    from fusegen.compiler.build import build
+    from fusegen.compiler.validate import validate
 
     print("\n## validate() in process, per target (median of 3), and its checks")
     for name in ("llama", "qwen2"):
@@ -93,10 +93,10 @@ def in_process() -> None:
 
 def variants() -> None:
     import generated
-    from fusegen.coverage import model_config
-    from fusegen.resolve import resolve
-    from fusegen.shrink import tiny_config
-    from fusegen.validate import construction_variants
+    from fusegen.tools.coverage import model_config
+    from fusegen.compiler.resolve import resolve
+    from fusegen.compiler.shrink import tiny_config
+    from fusegen.compiler.validate import construction_variants
 
     print(
         "\n## construction variants per checked-in file (the build validates the first MAX_VARIANTS; the test up to 8)"

@@ -88,7 +88,7 @@ def make_parser() -> argparse.ArgumentParser:
     listing.add_argument("--output-dir", type=Path, default=None, metavar="DIR", help="default: generated")
     listing.set_defaults(handler=_list)
 
-    from fusegen import convert, export, verify
+    from fusegen.tools import convert, export, verify
 
     convert.add_parser(commands).set_defaults(handler=lambda args, console: convert.run(args))
     export.add_parser(commands).set_defaults(handler=lambda args, console: export.run(args))
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build(args, console: Console) -> int:
-    from fusegen.build import build
-    from fusegen.writer import drift, output_path, recorded_targets, write_atomic
+    from fusegen.compiler.build import build
+    from fusegen.compiler.writer import drift, output_path, recorded_targets, write_atomic
 
     if args.all:
         if args.targets or args.check or args.diff:
@@ -160,16 +160,16 @@ def _build(args, console: Console) -> int:
 
 
 def _summary(result) -> str:
-    from fusegen.sweep import summarise
+    from fusegen.tools.sweep import summarise
 
     summary = summarise(result.outcomes)
     return summary + ", see the file header" if "refused" in summary else summary
 
 
 def _build_all(args, console: Console) -> int:
-    from fusegen.resolve import causal_lm_types
-    from fusegen.sweep import sweep
-    from fusegen.writer import output_path, write_atomic
+    from fusegen.compiler.resolve import causal_lm_types
+    from fusegen.tools.sweep import sweep
+    from fusegen.compiler.writer import output_path, write_atomic
 
     if args.jobs < 1:
         raise InputError(f"--jobs must be at least 1, got {args.jobs}")
@@ -196,8 +196,8 @@ _STATUSES = ("fused", "nothing", "error", "crash")
 
 
 def _diff(args, console: Console) -> int:
-    from fusegen.build import build
-    from fusegen.classdiff import class_diffs
+    from fusegen.compiler.build import build
+    from fusegen.tools.diff import class_diffs
 
     for target in dict.fromkeys(args.targets):
         result = build(target)
@@ -209,8 +209,8 @@ def _diff(args, console: Console) -> int:
 
 
 def _report(args, console: Console) -> int:
-    from fusegen.build import analyse
-    from fusegen.report import report_data, report_text
+    from fusegen.compiler.build import analyse
+    from fusegen.tools.report import report_data, report_text
 
     analyses = [analyse(target) for target in dict.fromkeys(args.targets)]
     if args.json:
@@ -222,8 +222,8 @@ def _report(args, console: Console) -> int:
 
 def _list(args, console: Console) -> int:
     """Each model type with the outcome on record: a generated file's header, else the last `build --all`."""
-    from fusegen.resolve import causal_lm_types
-    from fusegen.writer import recorded_targets
+    from fusegen.compiler.resolve import causal_lm_types
+    from fusegen.compiler.writer import recorded_targets
 
     if args.output_dir is not None and not args.output_dir.is_dir():
         raise InputError(f"{args.output_dir}: no such directory")

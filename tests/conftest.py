@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fusegen.validate import GRAD_TOLERANCE, TOLERANCE  # noqa: F401 - the one tolerance pair tests share
+from fusegen.compiler.validate import GRAD_TOLERANCE, TOLERANCE  # noqa: F401 - the one tolerance pair tests share
 
 TINY = {
     "vocab_size": 128,

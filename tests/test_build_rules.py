@@ -1,6 +1,6 @@
 """Refusals decided outside one class: checkpoints already merged, fused classes the model never builds."""
 
-from fusegen.build import analyse, build
+from fusegen.compiler.build import analyse, build
 
 
 def rules(outcomes):

@@ -3,8 +3,8 @@ through a fused copy of the table, or a call naming the fused class."""
 
 import pytest
 
-from fusegen.build import build
-from fusegen.coverage import verify
+from fusegen.compiler.build import build
+from fusegen.tools.coverage import verify
 
 TABLES = {
     "gpt_neo": 'FUSED_GPT_NEO_ATTENTION_CLASSES = {"eager": FusedGPTNeoSelfAttention}',
@@ -53,7 +53,7 @@ def test_from_config_of_an_unfused_tower_is_kept():
 def test_from_config_is_followed_only_on_the_class_config_itself(source, expected):
     import ast
 
-    from fusegen.propagate import _config_is_the_parameter
+    from fusegen.compiler.propagate import _config_is_the_parameter
 
     assert _config_is_the_parameter(ast.parse(source).body[0]) is expected
 
@@ -63,7 +63,7 @@ def test_a_holder_built_from_a_class_table_is_scoped_by_the_attribute_it_is_assi
     # use of the table (passing it on) leaves those holders unscoped ("").
     import ast
 
-    from fusegen.build import _holder_references
+    from fusegen.compiler.build import _holder_references
 
     classdef = ast.parse(
         "class Attention:\n"

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fusegen.convert import convert_checkpoint
+from fusegen.tools.convert import convert_checkpoint
 from fusegen.runtime import CheckpointError, load_checkpoint, loading
 from fusegen.runtime.streaming import concatenate_into_new, file_region, fill_from_file, reading_session
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel

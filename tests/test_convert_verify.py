@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fusegen import convert, verify
-from fusegen.convert import convert_checkpoint
+from fusegen.tools import convert, verify
+from fusegen.tools.convert import convert_checkpoint
 from fusegen.runtime import load_checkpoint
 from generated.fused_llama import FusedLlamaForCausalLM
 from generated.fused_qwen2 import FusedQwen2ForCausalLM

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from fusegen.build import build
-from fusegen.render import format_source
-from fusegen.resolve import resolve
+from fusegen.compiler.build import build
+from fusegen.compiler.render import format_source
+from fusegen.compiler.resolve import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "generated"

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from fusegen.build import analyse, build
+from fusegen.compiler.build import analyse, build
 
 MODULE = """
 import inspect
@@ -761,7 +761,7 @@ def test_safe_case_is_fused_and_computes_the_same(case_path, tmp_path, name):
 def test_pieces_on_different_devices_are_refused():
     from torch import nn
 
-    from fusegen.safety import projection_findings
+    from fusegen.compiler.safety import projection_findings
 
     block = nn.Module()
     block.q_proj, block.k_proj = nn.Linear(4, 4), nn.Linear(4, 2)

@@ -3,8 +3,8 @@
 import pytest
 
 from fusegen.errors import InputError
-from fusegen.instantiate import candidates, instantiate
-from fusegen.resolve import resolve
+from fusegen.compiler.instantiate import candidates, instantiate
+from fusegen.compiler.resolve import resolve
 
 
 def test_llama_builds_on_meta_without_memory():

@@ -2,9 +2,9 @@
 
 import pytest
 
-from fusegen.build import build
-from fusegen.coverage import verify
-from fusegen.match import merged_name
+from fusegen.compiler.build import build
+from fusegen.tools.coverage import verify
+from fusegen.compiler.match import merged_name
 
 
 @pytest.mark.parametrize(

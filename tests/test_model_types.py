@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import generated
-from fusegen.coverage import model_config, random_input, random_model
-from fusegen.resolve import resolve
-from fusegen.shrink import tiny_config
-from fusegen.validate import construction_variants
+from fusegen.tools.coverage import model_config, random_input, random_model
+from fusegen.compiler.resolve import resolve
+from fusegen.compiler.shrink import tiny_config
+from fusegen.compiler.validate import construction_variants
 from tests.conftest import TOLERANCE
 
 BASE = {

@@ -10,7 +10,7 @@ enough to see what each one prevents.
 import pytest
 
 from bench.fuzz import SETUPS, Case, Harness
-from fusegen import safety
+from fusegen.compiler import safety
 
 Q, K, V = "q = self.q_proj(x)", "k = self.k_proj(x)", "v = self.v_proj(x)"
 

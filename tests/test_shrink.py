@@ -1,4 +1,4 @@
-"""`fusegen.shrink.tiny_config`: default configs shrink to tiny ones that still build the same architecture."""
+"""`fusegen.compiler.shrink.tiny_config`: default configs shrink to tiny ones that still build the same architecture."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from fusegen.shrink import HEAD_DIM, HIDDEN, VOCAB, ShrinkError, tiny_config
+from fusegen.compiler.shrink import HEAD_DIM, HIDDEN, VOCAB, ShrinkError, tiny_config
 
 MAX_PARAMETERS = 1_000_000
 

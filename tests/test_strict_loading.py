@@ -26,7 +26,7 @@ from transformers import (
 )
 from transformers.utils.loading_report import LoadStateDictInfo
 
-from fusegen.build import build
+from fusegen.compiler.build import build
 from fusegen.runtime import CheckpointError, check_loading, load_checkpoint
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
 from generated.fused_qwen3_moe import FusedQwen3MoeForCausalLM
@@ -244,7 +244,7 @@ def test_parents_come_from_every_construction_site_in_the_source():
     """Both branches of a conditional count; a holder built any other way leaves its merged name unscoped."""
     import ast
 
-    from fusegen.build import _holder_references
+    from fusegen.compiler.build import _holder_references
 
     source = """
 class Layer(nn.Module):

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from fusegen.build import analyse
-from fusegen.match import find_groups
-from fusegen.trace import record_inputs, trace_module
+from fusegen.compiler.build import analyse
+from fusegen.compiler.match import find_groups
+from fusegen.compiler.trace import record_inputs, trace_module
 
 
 class _Rotary(nn.Module):
@@ -125,8 +125,8 @@ def test_gemma4_attention_is_traced_to_its_qkv_group():
 
 
 def test_moe_layers_do_not_end_the_recording():
-    from fusegen.instantiate import candidates, instantiate
-    from fusegen.resolve import resolve
+    from fusegen.compiler.instantiate import candidates, instantiate
+    from fusegen.compiler.resolve import resolve
 
     model = instantiate(resolve("jamba"))
     found = candidates(model)
@@ -139,8 +139,8 @@ def test_moe_layers_do_not_end_the_recording():
 def test_report_names_a_trace_stop_even_when_the_class_fused_something():
     from types import SimpleNamespace
 
-    from fusegen.plan import ClassOutcome, FusionPlan
-    from fusegen.report import report_text
+    from fusegen.compiler.plan import ClassOutcome, FusionPlan
+    from fusegen.tools.report import report_text
 
     plan = FusionPlan("glu", "gate_up_proj", (("gate_proj", 0), ("up_proj", 1)))
     outcome = ClassOutcome("XMLP", [plan], [], "TraceStopped: control flow depends on the traced value eq")

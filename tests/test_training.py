@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fusegen import rewrite_forward
-from fusegen.build import build
+from fusegen.compiler import rewrite_forward
+from fusegen.compiler.build import build
 from generated.fused_llama import FusedLlamaForCausalLM
 from generated.fused_qwen2 import FusedQwen2ForCausalLM
 from tests import test_hazards
@@ -147,9 +147,9 @@ def test_olmo_clip_qkv_trains_like_the_original():
     The tiny config leaves `clip_qkv` unset (a forward-only field, so no construction variant covers it): the
     build must clone the clamped pieces anyway, and with the clones removed validation under clip_qkv fails.
     """
-    from fusegen import validate
-    from fusegen.coverage import model_config
-    from fusegen.shrink import tiny_config as shrunk
+    from fusegen.compiler import validate
+    from fusegen.tools.coverage import model_config
+    from fusegen.compiler.shrink import tiny_config as shrunk
 
     result = build("olmo")
     assert "q_proj_out = q_proj_out.clone()" in result.text and "v_proj_out = v_proj_out.clone()" in result.text

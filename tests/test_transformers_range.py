@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fusegen.build import build
+from fusegen.compiler.build import build
 from fusegen.runtime import load_checkpoint
 from fusegen.runtime.version import (
     ALLOW_STALE,

@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import conversion_mapping
 
-import fusegen.build
-from fusegen.build import build
-from fusegen.coverage import model_config
-from fusegen.resolve import resolve
-from fusegen.shrink import tiny_config
-from fusegen.validate import TOLERANCE, Check, check_config, construction_variants, validate
+import fusegen.compiler.build
+from fusegen.compiler.build import build
+from fusegen.tools.coverage import model_config
+from fusegen.compiler.resolve import resolve
+from fusegen.compiler.shrink import tiny_config
+from fusegen.compiler.validate import TOLERANCE, Check, check_config, construction_variants, validate
 
 GLU_LINE = "down_proj = self.down_proj(self.act_fn(gate_proj_out) * up_proj_out)"
 GLU_SWAPPED = "down_proj = self.down_proj(self.act_fn(up_proj_out) * gate_proj_out)"
@@ -68,8 +68,8 @@ def test_a_generated_module_that_does_not_import_is_a_mismatch(llama):
 
 def test_build_refuses_the_class_at_fault_and_keeps_the_rest(monkeypatch):
     """The MLP's text computes something else: the retry without the MLP's fusion validates and is what is built."""
-    render = fusegen.build.render
-    monkeypatch.setattr(fusegen.build, "render", lambda **context: render(**context).replace(GLU_LINE, GLU_SWAPPED))
+    render = fusegen.compiler.build.render
+    monkeypatch.setattr(fusegen.compiler.build, "render", lambda **context: render(**context).replace(GLU_LINE, GLU_SWAPPED))
     result = build("llama")
     assert result.text is not None and result.validation.mismatch is None, result.validation.describe()
     assert GLU_SWAPPED not in result.text and "gate_up_proj" not in result.text
@@ -82,12 +82,12 @@ def test_build_refuses_the_class_at_fault_and_keeps_the_rest(monkeypatch):
 
 
 def test_build_refuses_every_fusion_and_writes_nothing_when_no_single_class_is_to_blame(monkeypatch):
-    render = fusegen.build.render
+    render = fusegen.compiler.build.render
 
     def broken(**context):  # every class broken: appended code that fails the module import
         return render(**context) + "\nraise RuntimeError('broken file')\n"
 
-    monkeypatch.setattr(fusegen.build, "render", broken)
+    monkeypatch.setattr(fusegen.compiler.build, "render", broken)
     result = build("llama")
     assert result.text is None
     refusals = [(outcome.class_name, r) for outcome in result.outcomes for r in outcome.refused]
@@ -145,9 +145,9 @@ def test_a_config_the_original_cannot_run_is_skipped_not_passed():
 def test_check_fails_when_a_checked_in_file_no_longer_validates(monkeypatch, tmp_path, capsys):
     from fusegen.cli import main
 
-    render = fusegen.build.render
+    render = fusegen.compiler.build.render
     (tmp_path / "fused_llama.py").write_text("# an old file\n")
-    monkeypatch.setattr(fusegen.build, "render", lambda **context: render(**context) + "\nraise RuntimeError('x')\n")
+    monkeypatch.setattr(fusegen.compiler.build, "render", lambda **context: render(**context) + "\nraise RuntimeError('x')\n")
     assert main(["build", "--check", "llama", "--output-dir", str(tmp_path)]) == 1
     captured = capsys.readouterr()
     assert "validation-mismatch" in captured.out and "is stale" in captured.err

@@ -20,7 +20,7 @@ uninitialised.
 
 Two on-disk layouts are understood. The canonical one is Transformers' own (`q_proj`/`k_proj`/`v_proj` tensors in
 `model*.safetensors`). The fused one (written by `fusegen convert`) stores merged tensors as such in
-`fused*.safetensors`, with `fusegen_layout: fused` in every header; see `fusegen/convert.py` for why its file names
+`fused*.safetensors`, with `fusegen_layout: fused` in every header; see `fusegen/tools/convert.py` for why its file names
 differ.
 """
 

@@ -9,7 +9,7 @@ A generated pretrained base defines `from_pretrained` as a call to `fused_from_p
    no tensor is in two shards, the index agrees with the shards, and a directory holding only pickles
    (`pytorch_model.bin*`) is refused unless `allow_pickle=True` is passed, as in `load_checkpoint`.
 2. **The fused layout** (written by `fusegen convert`): the weights are named `fused*.safetensors`, which Transformers
-   never looks for, and config.json's `transformers_weights` holds a refusal message (see fusegen/convert.py for why).
+   never looks for, and config.json's `transformers_weights` holds a refusal message (see fusegen/tools/convert.py for why).
    Here that entry is overridden with the real file name, so Transformers memory-maps the fused file and hands each
    merged tensor on as a zero-copy view, exactly as the original class loads its own checkpoint. The file's row order
    (`fusegen_stacked` in the header metadata) must equal the class's `STACKED_PARAMS_MAPPING`: the same total size

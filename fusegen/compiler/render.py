@@ -15,7 +15,7 @@ TEMPLATE = "fused_model.py.j2"
 
 def template_dir() -> Path:
     """`templates/` of a source checkout, else the copy a wheel installs as `fusegen/templates`."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]
     for candidate in (package.parent / "templates", package / "templates"):
         if (candidate / TEMPLATE).is_file():
             return candidate

@@ -29,9 +29,9 @@ class SweepEntry:
 
 def build_one(model_type: str) -> SweepEntry:
     """Build one model type, turning every failure into data."""
-    from fusegen.build import build
+    from fusegen.compiler.build import build
     from fusegen.errors import FusegenError
-    from fusegen.report import outcome_data
+    from fusegen.tools.report import outcome_data
 
     start = time.perf_counter()
     try:

@@ -3,7 +3,7 @@
 The analysis argues that each fusion is sound; this stage checks the result by executing it. The generated text is
 imported in memory, and its fused causal LM is compared with the original causal LM:
 
-- on a tiny config (`fusegen/shrink.py`) and on up to `MAX_VARIANTS` *construction variants* of it: configs with
+- on a tiny config (`fusegen/compiler/shrink.py`) and on up to `MAX_VARIANTS` *construction variants* of it: configs with
   one field changed that change what `__init__` builds (found generically by `construction_variants`);
 - with every parameter of the original randomised (biases and norms too, so a mis-sliced bias shows) and mapped
   into the fused model in memory through the file's own `STACKED_PARAMS_MAPPING` (pieces concatenated in row order),
@@ -112,8 +112,8 @@ def validate(target, text: str, checkpointing: bool = False) -> Validation:
 
 
 def _validate_into(validation: Validation, target, text: str, tiny_steps: tuple[str, ...]) -> None:
-    from fusegen.coverage import model_config
-    from fusegen.shrink import ShrinkError, tiny_config
+    from fusegen.tools.coverage import model_config
+    from fusegen.compiler.shrink import ShrinkError, tiny_config
 
     with _quiet(), _isolated(text, target) as module:
         fused_class = getattr(module, "Fused" + target.causal_lm.__name__, None)
@@ -181,7 +181,7 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
     and 3e-19 in fp64), while any real fault still moves results by orders of magnitude more. fp32 when the
     original does not run in fp64 (a kernel without a double version).
     """
-    from fusegen.coverage import random_input, random_model
+    from fusegen.tools.coverage import random_input, random_model
 
     try:
         original = random_model(original_class, config, torch, unit_scale=True).to(dtype)
@@ -259,7 +259,7 @@ def _unused(original: nn.Module, fused: nn.Module, merging: set[str]) -> list[st
 
     Logits cannot show this fault: the fused model would silently run the original class there.
     """
-    from fusegen.propagate import PREFIX
+    from fusegen.compiler.propagate import PREFIX
 
     built = {type(module).__name__ for module in fused.modules()}
     originals = {type(module).__name__ for module in original.modules()}
@@ -420,8 +420,8 @@ def construction_variants(target, config, limit: int = MAX_VARIANTS) -> list[tup
     tiny config's and from every variant kept so far (module types and paths, parameter names and shapes, tying);
     one whose config or model does not build is dropped. A false alarm costs one more check, a miss one less.
     """
-    from fusegen.coverage import model_config
-    from fusegen.shrink import tiny_config
+    from fusegen.tools.coverage import model_config
+    from fusegen.compiler.shrink import tiny_config
 
     seen = {_structure(target, config)}
     variants = []
@@ -512,8 +512,8 @@ def _type_hints(cls) -> dict[str, str]:
 
 
 def _small_int(name: str) -> int:
-    """A value for an unset integer field: what `fusegen.shrink` would make of a large one, else 2."""
-    from fusegen.shrink import _rule_for
+    """A value for an unset integer field: what `fusegen.compiler.shrink` would make of a large one, else 2."""
+    from fusegen.compiler.shrink import _rule_for
 
     rule = _rule_for(name)
     return rule(1 << 20) if callable(rule) else 2
@@ -626,12 +626,12 @@ class _quiet:
 
 
 def _first_line(error: BaseException) -> str:
-    from fusegen.coverage import _first_line as first_line
+    from fusegen.tools.coverage import _first_line as first_line
 
     return first_line(error)
 
 
 def _short(error: BaseException) -> str:
-    from fusegen.coverage import _short as short
+    from fusegen.tools.coverage import _short as short
 
     return short(error)

@@ -16,8 +16,8 @@ import ast
 
 from torch import nn
 
-from fusegen import astutil, safety
-from fusegen.plan import FusionPlan, Refused
+from fusegen.compiler import astutil, safety
+from fusegen.compiler.plan import FusionPlan, Refused
 from fusegen.runtime.linear import sizes_attribute
 
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from fusegen.errors import InputError
-from fusegen.match import linear_children
-from fusegen.resolve import Target
+from fusegen.compiler.match import linear_children
+from fusegen.compiler.resolve import Target
 
 _MISSING_ATTRIBUTE = re.compile(r"'\w+' object has no attribute '(\w+)'")
 _REPAIRS = 6
@@ -55,7 +55,7 @@ def _tiny(target: Target) -> nn.Module | None:
     The analysis needs the classes, their source and one instance of each;
     a tiny config of the same model type has them all.
     """
-    from fusegen.shrink import tiny_config
+    from fusegen.compiler.shrink import tiny_config
 
     try:
         config = tiny_config(target.config_class)

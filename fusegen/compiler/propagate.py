@@ -22,9 +22,9 @@ from types import ModuleType
 
 from torch import nn
 
-from fusegen import astutil
+from fusegen.compiler import astutil
 from fusegen.errors import InputError
-from fusegen.plan import Refused
+from fusegen.compiler.plan import Refused
 
 PREFIX = "Fused"
 

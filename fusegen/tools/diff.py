@@ -11,9 +11,9 @@ from __future__ import annotations
 import ast
 import difflib
 
-from fusegen import astutil
-from fusegen.propagate import fused_name
-from fusegen.render import format_source
+from fusegen.compiler import astutil
+from fusegen.compiler.propagate import fused_name
+from fusegen.compiler.render import format_source
 
 
 def class_diffs(result) -> list[str]:

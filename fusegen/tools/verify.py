@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from fusegen.convert import causal_lm_class, import_fused_module, read_config
+from fusegen.tools.convert import causal_lm_class, import_fused_module, read_config
 from fusegen.errors import EXIT_DRIFT, EXIT_OK, InputError, command
 from fusegen.runtime.loading import FUSED, LAYOUT_KEY, load_checkpoint, open_checkpoint
 

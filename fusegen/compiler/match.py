@@ -15,7 +15,7 @@ import os
 import torch
 from torch import fx, nn
 
-from fusegen.plan import FusionPlan
+from fusegen.compiler.plan import FusionPlan
 
 _QKV_STEMS = (("q", "k", "v"), ("query", "key", "value"))
 _CASTS = {"to", "float", "half", "bfloat16", "type_as", "contiguous"}

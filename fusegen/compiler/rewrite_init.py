@@ -21,10 +21,10 @@ import inspect
 
 from torch import nn
 
-from fusegen import astutil
-from fusegen.plan import FusionPlan, Refused
+from fusegen.compiler import astutil
+from fusegen.compiler.plan import FusionPlan, Refused
 from fusegen.runtime.linear import sizes_attribute
-from fusegen.safety import resolve
+from fusegen.compiler.safety import resolve
 
 MERGED_LINEAR = "MergedColumnLinear"
 """The runtime class the merged constructor calls (imported from `fusegen.runtime`)."""

@@ -8,7 +8,7 @@ import functools
 import inspect
 import linecache
 
-from fusegen.plan import Refused
+from fusegen.compiler.plan import Refused
 
 LOOPS_AND_SCOPES = (
     ast.For,

@@ -13,14 +13,14 @@ import inspect
 
 from torch import nn
 
-from fusegen import astutil
-from fusegen.match import find_groups, merged_name
-from fusegen.plan import ClassOutcome, FusionPlan, Refusal, Refused
-from fusegen.rewrite_forward import rewrite_forward
-from fusegen.rewrite_init import check_no_other_uses, rewrite_init
+from fusegen.compiler import astutil
+from fusegen.compiler.match import find_groups, merged_name
+from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Refused
+from fusegen.compiler.rewrite_forward import rewrite_forward
+from fusegen.compiler.rewrite_init import check_no_other_uses, rewrite_init
 from fusegen.runtime.linear import sizes_attribute
-from fusegen.safety import check_projections, projection_findings
-from fusegen.trace import Recorded, trace_module
+from fusegen.compiler.safety import check_projections, projection_findings
+from fusegen.compiler.trace import Recorded, trace_module
 
 
 def analyse_class(
@@ -35,7 +35,7 @@ def analyse_class(
     `vetoes` names merged linears refused for reasons found outside the class
     (checkpoint names shared with an unfused module), with the reason.
     `recorded` is the arguments `instance` received in a forward of the model
-    (`fusegen.trace.record_inputs`), traced with instead of synthetic inputs.
+    (`fusegen.compiler.trace.record_inputs`), traced with instead of synthetic inputs.
     """
     vetoes = vetoes or {}
     trace = trace_module(instance, recorded)
@@ -117,9 +117,9 @@ def _plain_subplans(instance: nn.Module, plan: FusionPlan) -> list[FusionPlan]:
 
 
 def _veto_rule(reason: str) -> str:
-    """The rule name of a veto found outside the class (see `fusegen.build._vetoes`), from its reason."""
+    """The rule name of a veto found outside the class (see `fusegen.compiler.build._vetoes`), from its reason."""
     if reason.startswith("the fused model does not match the original"):
-        return "validation-mismatch"  # fusegen.validate.refusal_reason
+        return "validation-mismatch"  # fusegen.compiler.validate.refusal_reason
     if "already merged" in reason:
         return "checkpoint-already-fused"
     if "which fusion removes" in reason:

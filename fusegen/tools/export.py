@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from fusegen.convert import _empty_or_absent, causal_lm_class, import_fused_module, read_config
+from fusegen.tools.convert import _empty_or_absent, causal_lm_class, import_fused_module, read_config
 from fusegen.errors import FusegenError, InputError
 from fusegen.runtime.auto import CONFIG_NAME, canonical_architectures
 

@@ -42,8 +42,8 @@ import types
 import torch
 from torch import nn
 
-from fusegen.astutil import self_attr
-from fusegen.plan import Refused
+from fusegen.compiler.astutil import self_attr
+from fusegen.compiler.plan import Refused
 
 METADATA_ATTRS = frozenset(
     {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_meta", "is_sparse",

@@ -13,13 +13,13 @@ import transformers
 from torch import nn
 
 import fusegen
-from fusegen import astutil
-from fusegen.analyse import analyse_class
+from fusegen.compiler import astutil
+from fusegen.compiler.analyse import analyse_class
 from fusegen.errors import InputError
-from fusegen.imports import global_names, import_lines
-from fusegen.instantiate import candidates, instantiate
-from fusegen.plan import ClassOutcome, FusionPlan, Refusal, Refused
-from fusegen.propagate import (
+from fusegen.compiler.imports import global_names, import_lines
+from fusegen.compiler.instantiate import candidates, instantiate
+from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Refused
+from fusegen.compiler.propagate import (
     classes_to_emit,
     constructed_classes,
     fused_name,
@@ -27,11 +27,11 @@ from fusegen.propagate import (
     rename_classes,
     unreachable_reasons,
 )
-from fusegen.render import render
-from fusegen.resolve import Target, resolve
-from fusegen.rewrite_init import MERGED_LINEAR
+from fusegen.compiler.render import render
+from fusegen.compiler.resolve import Target, resolve
+from fusegen.compiler.rewrite_init import MERGED_LINEAR
 from fusegen.runtime.tp import fused_plan_from
-from fusegen.trace import record_inputs
+from fusegen.compiler.trace import record_inputs
 
 REGISTER = "register_stacked_checkpoint"
 REGISTER_AUTO = "register_fused_causal_lm"
@@ -117,7 +117,7 @@ class BuildResult:
     fused_classes: list[type] = field(default_factory=list)
     """The original classes that were rewritten (in analysis order)."""
     validation: object | None = None
-    """The `fusegen.validate.Validation` of the text, when it was validated."""
+    """The `fusegen.compiler.validate.Validation` of the text, when it was validated."""
 
 
 def analyse(name: str, refused: dict[str, dict[str, str]] | None = None) -> Analysis:
@@ -168,7 +168,7 @@ def _reachable(target: Target, model: nn.Module, outcomes: list[ClassOutcome], r
 def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] | None = None) -> BuildResult:
     """The whole pipeline: the generated module's text for target `name`.
 
-    `validate=False` skips translation validation (`fusegen.validate`): for tests of the analysis itself, which
+    `validate=False` skips translation validation (`fusegen.compiler.validate`): for tests of the analysis itself, which
     must see what the analysis alone would emit. `refused`: fusions to refuse up front (see `analyse`).
     """
     analysis = analyse(name, refused)
@@ -213,13 +213,13 @@ def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] |
 
 
 def _validated(name: str, result: BuildResult, refused: dict | None) -> BuildResult:
-    """`result` if its text computes what the original computes (`fusegen.validate`); else the build again with
+    """`result` if its text computes what the original computes (`fusegen.compiler.validate`); else the build again with
     the fusions of one class refused (rule `validation-mismatch`, naming the config and the figure), trying each
     fused class in turn until the rest validates; else no text and every fusion refused.
 
     A retry is itself validated, so what is written has always passed; only a failing build pays for the retries.
     """
-    from fusegen import validate
+    from fusegen.compiler import validate
 
     try:
         report = validate.validate(result.target, result.text)
@@ -324,7 +324,7 @@ def _unreachable(
 
     This happens when a model constructs a submodule indirectly, through
     `AutoModel.from_config(config.text_config)` (module-level class tables are
-    re-emitted, see `fusegen.propagate.ClassTable`); each reason names the call.
+    re-emitted, see `fusegen.compiler.propagate.ClassTable`); each reason names the call.
     """
     reasons = unreachable_reasons(target.module, model, stray, target.causal_lm.__name__)
     return [
@@ -380,7 +380,7 @@ def _parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[s
 
 def _construction_sites(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, set[str]]:
     """For each merged name, the attributes its holders are assigned to; "" marks a construction of another form."""
-    from fusegen.propagate import _model_classes
+    from fusegen.compiler.propagate import _model_classes
 
     classes = _model_classes(sys.modules[type(model).__module__], model)
     merged_by_class = {o.class_name: [plan.merged for plan in o.fused] for o in outcomes if o.fused}
