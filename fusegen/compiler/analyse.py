@@ -18,7 +18,7 @@ from torch import nn
 
 from fusegen.compiler import astutil
 from fusegen.compiler.match import find_groups, merged_name
-from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Refused
+from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Refused, Veto, Vetoes
 from fusegen.compiler.rewrite_forward import rewrite_forward
 from fusegen.compiler.rewrite_init import check_no_other_uses, rewrite_init
 from fusegen.compiler.safety import check_projections, projection_findings
@@ -28,13 +28,13 @@ from fusegen.runtime.linear import sizes_attribute
 
 
 def analyse_classes(
-    model: nn.Module, found: dict[type, nn.Module], inputs: dict[int, Recorded], refused: dict[str, dict[str, str]]
+    model: nn.Module, found: dict[type, nn.Module], inputs: dict[int, Recorded], refused: Vetoes
 ) -> tuple[list[ClassOutcome], dict[type, ast.ClassDef]]:
     """Every candidate class's outcome, and the rewritten class statements of those with a fusion.
 
     `found` is one instance per candidate class (`fusegen.compiler.instantiate.candidates`), `inputs` what each
     instance received in a forward of `model` (`fusegen.compiler.trace.record_inputs`), `refused` the fusions to
-    refuse up front, `{class: {merged: reason}}` (validation's verdicts).
+    refuse up front (validation's verdicts).
     """
 
     def run(cls, instance, vetoes=None):
@@ -62,13 +62,13 @@ def analyse_class(
     cls: type,
     instance: nn.Module,
     namespace: dict,
-    vetoes: dict[str, str] | None = None,
+    vetoes: dict[str, Veto] | None = None,
     recorded: Recorded | None = None,
 ) -> tuple[ClassOutcome, ast.ClassDef | None]:
     """The outcome for `cls`, and its rewritten class statement if anything was fused.
 
     `vetoes` names merged linears refused for reasons found outside the class
-    (checkpoint names shared with an unfused module), with the reason.
+    (checkpoint names shared with an unfused module), with the rule and reason.
     `recorded` is the arguments `instance` received in a forward of the model
     (`fusegen.compiler.trace.record_inputs`), traced with instead of synthetic inputs.
     """
@@ -97,8 +97,7 @@ def analyse_class(
             continue
         try:
             if plan.merged in vetoes:
-                reason = vetoes[plan.merged]
-                raise Refused(_veto_rule(reason), reason)
+                raise Refused(vetoes[plan.merged].rule, vetoes[plan.merged].reason)
             # Names the rewrite adds: the merged linear and its split sizes. `hasattr` also sees attributes set by
             # base classes, which the class statement does not show (a false alarm costs a fusion).
             for name in (plan.merged, sizes_attribute(plan.merged)):
@@ -149,17 +148,6 @@ def _plain_subplans(instance: nn.Module, plan: FusionPlan) -> list[FusionPlan]:
         return []
     shards = tuple((name, index) for index, name in enumerate(names))
     return [FusionPlan("merged_column", merged_name(names), shards)]
-
-
-def _veto_rule(reason: str) -> str:
-    """The rule name of a veto found outside the class (see `fusegen.compiler.vetoes.find_vetoes`), from its reason."""
-    if reason.startswith("the fused model does not match the original"):
-        return "validation-mismatch"  # fusegen.compiler.validate.refusal_reason
-    if "already merged" in reason:
-        return "checkpoint-already-fused"
-    if "which fusion removes" in reason:
-        return "outside-reference"
-    return "ambiguous-checkpoint-names"
 
 
 def _same_spelling_subplans(forward: ast.FunctionDef, plan: FusionPlan) -> list[FusionPlan]:

@@ -27,7 +27,7 @@ from fusegen.compiler.imports import import_block
 from fusegen.compiler.instantiate import candidates, instantiate
 from fusegen.compiler.mappings import checkpoint_classes, stacked_mapping, tensor_parallel
 from fusegen.compiler.methods import CHECK, REGISTER, REGISTER_AUTO, STREAM, TEMPLATE_NAMES, add_methods
-from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal
+from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes
 from fusegen.compiler.propagate import Emitted, classes_to_emit, fused_name, fused_names, rename_classes
 from fusegen.compiler.reachable import refuse_unreachable
 from fusegen.compiler.render import render
@@ -74,10 +74,10 @@ class Emission:
     checkpoint_classes: list[str]
 
 
-def analyse(name: str, refused: dict[str, dict[str, str]] | None = None) -> Analysis:
+def analyse(name: str, refused: Vetoes | None = None) -> Analysis:
     """Stages 1-6a: every candidate class's outcome, and the rewritten classes the causal LM builds.
 
-    `refused`: `{class: {merged: reason}}` fusions to refuse whatever the analysis finds (validation's verdicts).
+    `refused`: `{class: {merged: Veto(rule, reason)}}`, fusions to refuse whatever the analysis finds (validation's verdicts).
     """
     target = resolve(name)
     model = instantiate(target)
@@ -88,7 +88,7 @@ def analyse(name: str, refused: dict[str, dict[str, str]] | None = None) -> Anal
     return Analysis(target, model, outcomes, rewritten)
 
 
-def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] | None = None) -> BuildResult:
+def build(name: str, validate: bool = True, refused: Vetoes | None = None) -> BuildResult:
     """The whole pipeline: the generated module's text for target `name`.
 
     `validate=False` skips translation validation (`fusegen.compiler.validate`): for tests of the analysis itself, which
@@ -151,7 +151,7 @@ def render_module(analysis: Analysis, emission: Emission) -> str:
     )
 
 
-def _validated(name: str, result: BuildResult, refused: dict | None) -> BuildResult:
+def _validated(name: str, result: BuildResult, refused: Vetoes | None) -> BuildResult:
     """Stage 8: `result` if its text computes what the original computes (`fusegen.compiler.validate`); else the
     build again with the fusions of one class refused (rule `validation-mismatch`, naming the config and the
     figure), trying each fused class in turn until the rest validates; else no text and every fusion refused.
@@ -171,7 +171,8 @@ def _validated(name: str, result: BuildResult, refused: dict | None) -> BuildRes
     reason = validate.refusal_reason(mismatch)
     if not refused:
         for outcome in (o for o in result.outcomes if o.fused):
-            retry = build(name, refused={outcome.class_name: {plan.merged: reason for plan in outcome.fused}})
+            veto = Veto(validate.RULE, reason)
+            retry = build(name, refused={outcome.class_name: {plan.merged: veto for plan in outcome.fused}})
             if retry.text is not None:
                 return retry
     outcomes = [

@@ -11,12 +11,12 @@ import ast
 from torch import nn
 
 from fusegen.compiler import astutil
-from fusegen.compiler.plan import ClassOutcome, Refused
+from fusegen.compiler.plan import ClassOutcome, Refused, Veto, Vetoes
 from fusegen.compiler.scopes import parents as source_parents
 
 
-def find_vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
-    """Fusions to refuse for reasons outside their class: `{class: {merged: reason}}`."""
+def find_vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
+    """Fusions to refuse for reasons outside their class: `{class: {merged: Veto(rule, reason)}}`."""
     vetoes = checkpoint_conflicts(model, outcomes)
     for found in (
         prefused_checkpoints(model, outcomes),
@@ -28,7 +28,7 @@ def find_vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dic
     return vetoes
 
 
-def merged_names_reused(outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
+def merged_names_reused(outcomes: list[ClassOutcome]) -> Vetoes:
     """Fusions one of whose projections has the name another fusion gives its merged linear.
 
     MiniMax's lightning attention already holds a packed `qkv_proj`, which its
@@ -37,20 +37,23 @@ def merged_names_reused(outcomes: list[ClassOutcome]) -> dict[str, dict[str, str
     fusion that consumes the name is refused; the one that produces it stays.
     """
     merged = {plan.merged: outcome.class_name for outcome in outcomes for plan in outcome.fused}
-    vetoes: dict[str, dict[str, str]] = {}
+    vetoes: Vetoes = {}
     for outcome in outcomes:
         for plan in outcome.fused:
             for name in plan.projections:
                 if name in merged:
                     vetoes.setdefault(outcome.class_name, {}).setdefault(
                         plan.merged,
-                        f"{name} is also the merged name of {merged[name]}'s fusion, so a checkpoint tensor "
-                        f"{name} could be either a piece or a merged tensor",
+                        Veto(
+                            "ambiguous-checkpoint-names",
+                            f"{name} is also the merged name of {merged[name]}'s fusion, so a checkpoint tensor "
+                            f"{name} could be either a piece or a merged tensor",
+                        ),
                     )
     return vetoes
 
 
-def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
+def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
     """Fusions whose projections other code reaches into (`module.q_proj` in `_init_weights`).
 
     The projection no longer exists after fusion, so such code would fail or
@@ -60,7 +63,7 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[s
     names = {plan.merged: (o.class_name, plan.projections) for o in outcomes for plan in o.fused}
     if not names:
         return {}
-    vetoes: dict[str, dict[str, str]] = {}
+    vetoes: Vetoes = {}
     classes = {
         cls
         for module in model.modules()
@@ -79,12 +82,15 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[s
                 if node.attr in projections:
                     vetoes.setdefault(class_name, {}).setdefault(
                         merged,
-                        f"{cls.__name__} reads `{ast.unparse(node)}` (line {node.lineno}), which fusion removes",
+                        Veto(
+                            "outside-reference",
+                            f"{cls.__name__} reads `{ast.unparse(node)}` (line {node.lineno}), which fusion removes",
+                        ),
                     )
     return vetoes
 
 
-def prefused_checkpoints(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
+def prefused_checkpoints(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
     """Fusions whose projections the model's checkpoints already store merged.
 
     Transformers splits such a tensor on load (`query_key_value` -> q/k/v) with
@@ -101,7 +107,7 @@ def prefused_checkpoints(model: nn.Module, outcomes: list[ClassOutcome]) -> dict
         for converter in get_checkpoint_conversion_mapping(key) or []
         if len(getattr(converter, "target_patterns", [])) > 1
     ]
-    vetoes: dict[str, dict[str, str]] = {}
+    vetoes: Vetoes = {}
     for outcome in outcomes:
         for plan in outcome.fused:
             for sources, targets in splits:
@@ -111,14 +117,17 @@ def prefused_checkpoints(model: nn.Module, outcomes: list[ClassOutcome]) -> dict
                 if pieces & set(plan.projections):
                     vetoes.setdefault(outcome.class_name, {}).setdefault(
                         plan.merged,
-                        f"checkpoints store {', '.join(sources)} already merged (Transformers splits it into "
-                        f"{', '.join(sorted(pieces))} on load)",
+                        Veto(
+                            "checkpoint-already-fused",
+                            f"checkpoints store {', '.join(sources)} already merged (Transformers splits it into "
+                            f"{', '.join(sorted(pieces))} on load)",
+                        ),
                     )
     return vetoes
 
 
-def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, dict[str, str]]:
-    """Fusions whose checkpoint names an unfused module shares: `{class: {merged: reason}}`.
+def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
+    """Fusions whose checkpoint names an unfused module shares: `{class: {merged: Veto(rule, reason)}}`.
 
     A hybrid model may keep, at the same path (`layers.N.self_attn.q_proj`), a
     fused attention in some layers and an unfused one in others; the
@@ -138,7 +147,7 @@ def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> dict
     """
     parents = source_parents(model, outcomes)
     fused_classes = {o.class_name: o for o in outcomes if o.fused}
-    conflicts: dict[str, dict[str, str]] = {}
+    conflicts: Vetoes = {}
     for path, module in model.named_modules():
         if type(module).__name__ in fused_classes:
             continue
@@ -148,7 +157,10 @@ def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> dict
                 if scoped and any(isinstance(getattr(module, name, None), nn.Module) for name in plan.projections):
                     conflicts.setdefault(outcome.class_name, {}).setdefault(
                         plan.merged,
-                        f"{path} ({type(module).__name__}) keeps unfused projections under the same checkpoint "
-                        "names, so loading could not tell which tensors to merge",
+                        Veto(
+                            "ambiguous-checkpoint-names",
+                            f"{path} ({type(module).__name__}) keeps unfused projections under the same checkpoint "
+                            "names, so loading could not tell which tensors to merge",
+                        ),
                     )
     return conflicts
