@@ -22,17 +22,17 @@ import transformers
 from torch import nn
 
 import fusegen
+from fusegen import fusions
 from fusegen.compiler.analyse import analyse_classes
 from fusegen.compiler.imports import import_block
 from fusegen.compiler.instantiate import candidates, instantiate
 from fusegen.compiler.mappings import checkpoint_classes, stacked_mapping, tensor_parallel
 from fusegen.compiler.methods import CHECK, REGISTER, REGISTER_AUTO, STREAM, TEMPLATE_NAMES, add_methods
-from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes
+from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes, merged_linears
 from fusegen.compiler.propagate import Emitted, classes_to_emit, fused_name, fused_names, rename_classes
 from fusegen.compiler.reachable import refuse_unreachable
 from fusegen.compiler.render import render
 from fusegen.compiler.resolve import Target, resolve
-from fusegen.compiler.rewrite_init import MERGED_LINEAR
 from fusegen.compiler.scopes import parents
 from fusegen.compiler.trace import record_inputs
 
@@ -69,6 +69,7 @@ class Emission:
     imports: list[str]
     """The file's import lines."""
     plans: list[FusionPlan]
+    """The plans that merge linears, in outcome order: the checkpoint mapping and the TP plan."""
     parents: dict[str, list[str]]
     """Checkpoint scopes of each merged linear (`fusegen.compiler.scopes.parents`)."""
     checkpoint_classes: list[str]
@@ -77,7 +78,8 @@ class Emission:
 def analyse(name: str, refused: Vetoes | None = None) -> Analysis:
     """Stages 1-6a: every candidate class's outcome, and the rewritten classes the causal LM builds.
 
-    `refused`: `{class: {merged: Veto(rule, reason)}}`, fusions to refuse whatever the analysis finds (validation's verdicts).
+    `refused`: `{class: {merged: Veto(rule, reason)}}`, fusions to refuse whatever the analysis finds
+    (validation's verdicts).
     """
     target = resolve(name)
     model = instantiate(target)
@@ -111,14 +113,15 @@ def propagate(analysis: Analysis) -> Emission:
     add_methods(emitted, target, model)
     for item in emitted.values():
         rename_classes(item.classdef, renames)
+    kind_names = {name for kind in fusions.kinds() for name in kind.runtime_names}
     imports = import_block(
-        emitted, set(renames.values()) | TEMPLATE_NAMES, {REGISTER, STREAM, REGISTER_AUTO}, {MERGED_LINEAR, CHECK}
+        emitted, set(renames.values()) | TEMPLATE_NAMES, {REGISTER, STREAM, REGISTER_AUTO}, {CHECK} | kind_names
     )
     return Emission(
         emitted,
         renames,
         imports,
-        [plan for outcome in outcomes for plan in outcome.fused],
+        merged_linears([plan for outcome in outcomes for plan in outcome.fused]),
         parents(model, outcomes),
         checkpoint_classes(model, target, renames),
     )
@@ -179,7 +182,7 @@ def _validated(name: str, result: BuildResult, refused: Vetoes | None) -> BuildR
         ClassOutcome(
             outcome.class_name,
             [],
-            outcome.refused + [Refusal(plan.projections, validate.RULE, reason) for plan in outcome.fused],
+            outcome.refused + [Refusal(plan.subject, validate.RULE, reason) for plan in outcome.fused],
             outcome.trace_error,
         )
         for outcome in result.outcomes

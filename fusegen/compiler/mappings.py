@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from fusegen import fusions
 from fusegen.compiler.plan import FusionPlan
 from fusegen.compiler.resolve import Target
 from fusegen.errors import InputError
@@ -40,7 +41,9 @@ def checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str]
 
 def tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict) -> dict:
     """Template data for tensor parallelism: the fused form of the config's `base_model_tp_plan` (or why there is
-    none); see fusegen/runtime/tp.py."""
+    none); see fusegen/runtime/tp.py. The kinds say which merged linears hold attention heads
+    (`Kind.head_sharded`)."""
     original = getattr(model.config, "base_model_tp_plan", None)
-    plan, reason = fused_plan_from(original, stacked_mapping(plans), parents)
+    heads = {plan.merged for plan in plans if fusions.kind(plan.kind).head_sharded}
+    plan, reason = fused_plan_from(original, stacked_mapping(plans), parents, heads=heads)
     return {"tp_plan": repr(plan) if plan else None, "tp_reason": reason}

@@ -39,7 +39,7 @@ def _unreachable(
                 outcome.class_name,
                 [],
                 outcome.refused
-                + [Refusal(plan.projections, "unreachable", reasons[outcome.class_name]) for plan in outcome.fused],
+                + [Refusal(plan.subject, "unreachable", reasons[outcome.class_name]) for plan in outcome.fused],
                 outcome.trace_error,
             )
             if outcome.class_name in stray

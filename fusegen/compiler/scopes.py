@@ -13,7 +13,7 @@ import sys
 from torch import nn
 
 from fusegen.compiler import astutil
-from fusegen.compiler.plan import ClassOutcome, Refused
+from fusegen.compiler.plan import ClassOutcome, Refused, merged_linears
 
 
 def parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[str]]:
@@ -44,7 +44,7 @@ def construction_sites(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[s
     from fusegen.compiler.propagate import _model_classes
 
     classes = _model_classes(sys.modules[type(model).__module__], model)
-    merged_by_class = {o.class_name: [plan.merged for plan in o.fused] for o in outcomes if o.fused}
+    merged_by_class = {o.class_name: [plan.merged for plan in merged_linears(o.fused)] for o in outcomes if o.fused}
     holders: dict[str, list[str]] = {}
     for cls in classes:
         for base in cls.__mro__:

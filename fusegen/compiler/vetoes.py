@@ -11,7 +11,7 @@ import ast
 from torch import nn
 
 from fusegen.compiler import astutil
-from fusegen.compiler.plan import ClassOutcome, Refused, Veto, Vetoes
+from fusegen.compiler.plan import ClassOutcome, Refused, Veto, Vetoes, merged_linears
 from fusegen.compiler.scopes import parents as source_parents
 
 
@@ -36,7 +36,7 @@ def merged_names_reused(outcomes: list[ClassOutcome]) -> Vetoes:
     would then be a piece in one layer and a merged tensor in the other. The
     fusion that consumes the name is refused; the one that produces it stays.
     """
-    merged = {plan.merged: outcome.class_name for outcome in outcomes for plan in outcome.fused}
+    merged = {plan.merged: outcome.class_name for outcome in outcomes for plan in merged_linears(outcome.fused)}
     vetoes: Vetoes = {}
     for outcome in outcomes:
         for plan in outcome.fused:
@@ -60,7 +60,7 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes
     silently skip it. Any `<expr>.<projection>` outside `self.` in the model's
     classes counts: a false alarm costs a fusion, a miss breaks loading.
     """
-    names = {plan.merged: (o.class_name, plan.projections) for o in outcomes for plan in o.fused}
+    names = {plan.merged: (o.class_name, plan.projections) for o in outcomes for plan in merged_linears(o.fused)}
     if not names:
         return {}
     vetoes: Vetoes = {}
