@@ -7,6 +7,7 @@ import ast
 import importlib
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ import torch
 from fusegen import fusions
 from fusegen.compiler import astutil
 from fusegen.compiler.build import analyse, build
+from fusegen.compiler.mappings import tensor_parallel
 from fusegen.compiler.plan import FusionPlan, Refused
 from fusegen.fusions.base import Kind
+from fusegen.fusions.linear import LinearKind
 from fusegen.runtime.tp import LOCAL_HEADS, MERGED_COLWISE, fused_plan_from
 from fusegen.tools import coverage
 from tests.conftest import TOLERANCE
@@ -213,3 +216,38 @@ def test_coverage_asks_the_kinds_what_to_count():
         ("types with a gate/up pair", 1),
         ("... of which gate/up fused and verified", 0),
     ]
+
+
+class KeyValuePair(LinearKind):
+    """A toy linear kind claiming `k_proj` + `v_proj` before qkv does, sharded by heads under TP."""
+
+    name = "toy_kv"
+    priority = 5
+    head_sharded = True
+
+    def claim(self, nodes):
+        pair = [node for node in nodes if node.target in ("k_proj", "v_proj")]
+        if len(pair) != 2:
+            return [], nodes
+        return [self.plan(["k_proj", "v_proj"])], [node for node in nodes if node not in pair]
+
+
+@pytest.fixture
+def toy_linear_kind(toy_kind):
+    fusions.register(KeyValuePair)
+    yield toy_kind
+    del fusions._REGISTRY[KeyValuePair.name]
+
+
+def test_a_linear_kind_is_one_class_and_the_stages_follow_it(toy_linear_kind):
+    (block,) = [o for o in analyse(toy_linear_kind).outcomes if o.class_name == "ToyBlock"]
+    # It claims first (priority 5): qkv then finds no triplet and q_proj alone is nothing to merge.
+    assert [plan.describe() for plan in block.fused] == ["k_proj + v_proj -> kv_proj (toy_kv)"]
+    text = build(toy_linear_kind, validate=False).text
+    assert '"kv_proj": [("k_proj", 0), ("v_proj", 1)]' in text and "MergedColumnLinear" in text
+    # The TP plan takes head sharding from the kind, not from the shard ids.
+    model = SimpleNamespace(
+        config=SimpleNamespace(base_model_tp_plan={"layers.*.k_proj": "colwise", "layers.*.v_proj": "colwise"})
+    )
+    tp = tensor_parallel(model, block.fused, {})
+    assert tp["tp_plan"] == repr({"layers.*": LOCAL_HEADS, "layers.*.kv_proj": MERGED_COLWISE})
