@@ -13,10 +13,12 @@ from .checkpoint import (
     build_stacked_converters,
     register_stacked_checkpoint,
 )
+from .files import CheckpointError
 from .linear import MergedColumnLinear
-from .loading import CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from .loading import load_checkpoint, load_weights
 from .peft import AdapterError
 from .peft import load_adapter as load_adapter_packed
+from .saving import save_checkpoint
 from .strict import check_loading
 from .version import StaleGeneratedFile, check_source
 

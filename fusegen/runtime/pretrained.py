@@ -32,7 +32,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .loading import FUSED, LAYOUT_KEY, Checkpoint, CheckpointError, _candidates, normalise_stacked, open_checkpoint
+from .files import FUSED, LAYOUT_KEY, Checkpoint, CheckpointError, open_checkpoint, weight_file_schemes
+from .merged import normalise_stacked
 from .streaming import reading_session
 
 FUSEGEN_KEY = "fusegen"  # config.json: what `fusegen convert` wrote (layout, weights file, source fingerprint, ...)
@@ -55,7 +56,7 @@ def _validated_directory(path: object, kwargs: dict) -> Path | None:
     if kwargs.get("use_safetensors") is False:
         return None
     root = Path(path) / (kwargs.get("subfolder") or "")
-    if not root.is_dir() or not _candidates(root):
+    if not root.is_dir() or not weight_file_schemes(root):
         return None
     explicit = _config_json(root).get(WEIGHTS_KEY)
     if explicit is not None and FUSEGEN_KEY not in _config_json(root):

@@ -25,7 +25,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .loading import CheckpointError, _merged_modules, stacked_mapping
+from .files import CheckpointError
+from .merged import merged_modules, stacked_mapping
 
 
 def check_loading(model: torch.nn.Module, loading_info, where: object = None, stacked: Mapping | None = None) -> None:
@@ -41,7 +42,7 @@ def check_loading(model: torch.nn.Module, loading_info, where: object = None, st
     missing |= {entry[0] for entry in getattr(loading_info, "mismatched_keys", ()) or ()}
     unexpected = set(getattr(loading_info, "unexpected_keys", ()) or ())
     errors = dict(getattr(loading_info, "conversion_errors", {}) or {})
-    for path, module in _merged_modules(model).items():
+    for path, module in merged_modules(model).items():
         for leaf, tensor in module.named_parameters(recurse=False):
             name = f"{path}.{leaf}"
             if name in missing:

@@ -50,7 +50,8 @@ try:  # Transformers >= 5.21 keeps the style registry in parallel_utils, 5.20 in
 except ImportError:
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, _AllReduceBackward
 
-from .checkpoint import MergedColumnConcatenate, MergedColumnSplit, _find_merged_linear, _tensors_of
+from .checkpoint import MergedColumnConcatenate, MergedColumnSplit, tensors_of
+from .merged import find_merged_linear
 
 MERGED_COLWISE = "fusegen_merged_colwise"
 LOCAL_HEADS = "fusegen_local_heads"
@@ -468,13 +469,13 @@ class PartitionedConcatenate(MergedColumnConcatenate):
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
-        merged = _find_merged_linear(model, full_layer_name)
+        merged = find_merged_linear(model, full_layer_name)
         partition = getattr(merged, "tp_partition", None)
         if partition is not None and not partition.shard_on_read:
             present = [pattern for pattern in source_patterns if pattern in input_dict]
             if len(present) == len(partition.sizes):
                 input_dict = {
-                    pattern: [tensor.narrow(self.dim, start, size) for tensor in _tensors_of(input_dict[pattern])]
+                    pattern: [tensor.narrow(self.dim, start, size) for tensor in tensors_of(input_dict[pattern])]
                     for pattern, start, size in zip(present, partition.starts, partition.sizes)
                 }
         return super().convert(
@@ -499,7 +500,7 @@ class PartitionedSplit(MergedColumnSplit):
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
         head, found, tail = (full_layer_name or "").partition(target_patterns[0])
-        merged = _find_merged_linear(model, head + source_patterns[0] + tail) if found else None
+        merged = find_merged_linear(model, head + source_patterns[0] + tail) if found else None
         partition = getattr(merged, "tp_partition", None)
         if partition is None:
             return super().convert(
@@ -510,7 +511,7 @@ class PartitionedSplit(MergedColumnSplit):
                 f"{full_layer_name}: cannot save a tensor-parallel model whose kv heads are replicated "
                 f"(N={partition.world_size}); save it from a single process instead"
             )
-        tensor = _tensors_of(next(iter(input_dict.values())))[0]
+        tensor = tensors_of(next(iter(input_dict.values())))[0]
         if tensor.shape[self.dim] != sum(partition.full_sizes):
             raise ValueError(
                 f"{full_layer_name}: gathered {list(tensor.shape)}, expected {sum(partition.full_sizes)} rows"
