@@ -18,6 +18,7 @@ from .linear import MergedColumnLinear
 from .loading import load_checkpoint, load_weights
 from .peft import AdapterError
 from .peft import load_adapter as load_adapter_packed
+from .pretrained import FusedPreTrainedMixin, fused_from_pretrained
 from .saving import save_checkpoint
 from .strict import check_loading
 from .version import StaleGeneratedFile, check_source
@@ -25,7 +26,7 @@ from .version import StaleGeneratedFile, check_source
 # PEFT learns about merged linears when it is imported (now, or later); importing this package never imports PEFT.
 _peft.arm()
 
-# What a generated causal LM's `load_weights` method calls (a distinct name, so the method does not shadow it).
+# What the `load_weights` method of files generated before `FusedPreTrainedMixin` calls (kept for those files).
 stream_weights = load_weights
 
 # Tensor parallelism (`.tp`) is imported on first use, e.g. when a generated model is built: importing a generated
@@ -40,10 +41,6 @@ _TP_EXPORTS = (
 
 
 def __getattr__(name: str):
-    if name == "fused_from_pretrained":  # imported when a generated class's from_pretrained runs, not on import
-        from .pretrained import fused_from_pretrained
-
-        return fused_from_pretrained
     if name in _TP_EXPORTS:
         from . import tp
 
@@ -54,6 +51,7 @@ def __getattr__(name: str):
 __all__ = [
     "AdapterError",
     "CheckpointError",
+    "FusedPreTrainedMixin",
     "LocalHeadsParallel",
     "MergedColumnConcatenate",
     "MergedColumnLinear",

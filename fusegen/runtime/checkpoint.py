@@ -235,7 +235,7 @@ def register_stacked_checkpoint(
     Transformers keys some built-in conversions by the original class name (`"Dots3NoteTextModel"`); a fused class
     is looked up by its own name, so the original's class-keyed conversions are registered with ours. (Conversions
     keyed by model type are found at the root as for the original class, because generated classes declare
-    themselves library code, see `is_custom_code` in a generated file.)
+    themselves library code, see `FusedPreTrainedMixin.is_custom_code` in fusegen/runtime/pretrained.py.)
 
     Re-registering (re-import, `importlib.reload`) overwrites silently, because generated modules register at import
     time. Returns the converters built (a copy is registered per class name).
