@@ -35,6 +35,7 @@ _TP_EXPORTS = (
     "LocalHeadsParallel",
     "MergedColumnParallel",
     "PartitionedConcatenate",
+    "apply_packed_tp_plan",
     "init_fused_parallel_plans",
     "partition_rows",
 )
@@ -59,6 +60,7 @@ __all__ = [
     "MergedColumnSplit",
     "PartitionedConcatenate",
     "StaleGeneratedFile",
+    "apply_packed_tp_plan",
     "build_stacked_converters",
     "check_loading",
     "check_source",
