@@ -1,7 +1,9 @@
-"""Stages 3-5 for one class: trace, match, and rewrite its source.
+"""Stages 3-5: trace, match, and rewrite the source of each candidate class.
 
 Each plan is tried on a copy of the class; a plan that any rule refuses is
 recorded with its reason and the class keeps its original projections.
+Vetoes found outside the classes (`fusegen.compiler.vetoes`) send the classes
+they name through again, until none is new.
 """
 
 from __future__ import annotations
@@ -10,30 +12,63 @@ import ast
 import contextlib
 import copy
 import inspect
+import sys
 
 from torch import nn
 
 from fusegen.compiler import astutil
 from fusegen.compiler.match import find_groups, merged_name
-from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Refused
+from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Refused, Veto, Vetoes
 from fusegen.compiler.rewrite_forward import rewrite_forward
 from fusegen.compiler.rewrite_init import check_no_other_uses, rewrite_init
-from fusegen.runtime.linear import sizes_attribute
 from fusegen.compiler.safety import check_projections, projection_findings
 from fusegen.compiler.trace import Recorded, trace_module
+from fusegen.compiler.vetoes import find_vetoes
+from fusegen.runtime.linear import sizes_attribute
+
+
+def analyse_classes(
+    model: nn.Module, found: dict[type, nn.Module], inputs: dict[int, Recorded], refused: Vetoes
+) -> tuple[list[ClassOutcome], dict[type, ast.ClassDef]]:
+    """Every candidate class's outcome, and the rewritten class statements of those with a fusion.
+
+    `found` is one instance per candidate class (`fusegen.compiler.instantiate.candidates`), `inputs` what each
+    instance received in a forward of `model` (`fusegen.compiler.trace.record_inputs`), `refused` the fusions to
+    refuse up front (validation's verdicts).
+    """
+
+    def run(cls, instance, vetoes=None):
+        return analyse_class(
+            cls,
+            instance,
+            vars(sys.modules[cls.__module__]),
+            {**refused.get(cls.__name__, {}), **(vetoes or {})},
+            inputs.get(id(instance)),
+        )
+
+    results = {cls: run(cls, instance) for cls, instance in found.items()}
+    vetoes = find_vetoes(model, [outcome for outcome, _ in results.values()])
+    while vetoes:
+        for cls, instance in found.items():
+            if cls.__name__ in vetoes:
+                results[cls] = run(cls, instance, vetoes[cls.__name__])
+        vetoes = find_vetoes(model, [outcome for outcome, _ in results.values()])
+    outcomes = [outcome for outcome, _ in results.values()]
+    rewritten = {cls: classdef for cls, (_, classdef) in results.items() if classdef is not None}
+    return outcomes, rewritten
 
 
 def analyse_class(
     cls: type,
     instance: nn.Module,
     namespace: dict,
-    vetoes: dict[str, str] | None = None,
+    vetoes: dict[str, Veto] | None = None,
     recorded: Recorded | None = None,
 ) -> tuple[ClassOutcome, ast.ClassDef | None]:
     """The outcome for `cls`, and its rewritten class statement if anything was fused.
 
     `vetoes` names merged linears refused for reasons found outside the class
-    (checkpoint names shared with an unfused module), with the reason.
+    (checkpoint names shared with an unfused module), with the rule and reason.
     `recorded` is the arguments `instance` received in a forward of the model
     (`fusegen.compiler.trace.record_inputs`), traced with instead of synthetic inputs.
     """
@@ -62,8 +97,7 @@ def analyse_class(
             continue
         try:
             if plan.merged in vetoes:
-                reason = vetoes[plan.merged]
-                raise Refused(_veto_rule(reason), reason)
+                raise Refused(vetoes[plan.merged].rule, vetoes[plan.merged].reason)
             # Names the rewrite adds: the merged linear and its split sizes. `hasattr` also sees attributes set by
             # base classes, which the class statement does not show (a false alarm costs a fusion).
             for name in (plan.merged, sizes_attribute(plan.merged)):
@@ -114,17 +148,6 @@ def _plain_subplans(instance: nn.Module, plan: FusionPlan) -> list[FusionPlan]:
         return []
     shards = tuple((name, index) for index, name in enumerate(names))
     return [FusionPlan("merged_column", merged_name(names), shards)]
-
-
-def _veto_rule(reason: str) -> str:
-    """The rule name of a veto found outside the class (see `fusegen.compiler.build._vetoes`), from its reason."""
-    if reason.startswith("the fused model does not match the original"):
-        return "validation-mismatch"  # fusegen.compiler.validate.refusal_reason
-    if "already merged" in reason:
-        return "checkpoint-already-fused"
-    if "which fusion removes" in reason:
-        return "outside-reference"
-    return "ambiguous-checkpoint-names"
 
 
 def _same_spelling_subplans(forward: ast.FunctionDef, plan: FusionPlan) -> list[FusionPlan]:

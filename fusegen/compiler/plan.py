@@ -42,6 +42,19 @@ class Refusal:
         return f"{' + '.join(self.projections)}: {self.rule}: {self.reason}{where}"
 
 
+@dataclass(frozen=True)
+class Veto:
+    """A fusion to refuse for a reason found outside its class (`fusegen.compiler.vetoes`, validation), with its rule."""
+
+    rule: str
+    """The rule id the refusal carries (`ambiguous-checkpoint-names`, `validation-mismatch`, ...)."""
+    reason: str
+
+
+Vetoes = dict[str, dict[str, Veto]]
+"""`{class name: {merged name: veto}}`."""
+
+
 @dataclass
 class ClassOutcome:
     """What happened to one candidate module class."""
