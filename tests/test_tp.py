@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    FalconConfig,
+    FalconForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GPTBigCodeConfig,
@@ -58,6 +60,7 @@ MODELS = {
     "phi3": (Phi3Config, Phi3ForCausalLM, None),
     "gpt2": (GPT2Config, GPT2LMHeadModel, None),  # c_attn is a Conv1D: weight (in, out)
     "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM, None),
+    "falcon": (FalconConfig, FalconForCausalLM, None),  # query_key_value: per kv group, [q | k | v] or per head
 }
 TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # the defaults lie outside the tiny vocabulary
 # name -> (model type, config overrides, how the case runs). Heads are 4 unless overridden (tests/conftest.py TINY).
@@ -81,6 +84,14 @@ CASES = {
         "gpt2-packed": ("gpt2", {**TOKENS}, "packed"),
         "bigcode-packed-mqa": ("gpt_bigcode", {"multi_query": True, **TOKENS}, "packed"),
         "bigcode-packed-mha": ("gpt_bigcode", {"multi_query": False, **TOKENS}, "packed"),
+        "falcon-packed-groups": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, **TOKENS}, "packed"),
+        "falcon-packed-mqa": ("falcon", {"new_decoder_architecture": False, "multi_query": True, **TOKENS}, "packed"),
+        "falcon-packed-mha": ("falcon", {"new_decoder_architecture": False, "multi_query": False, **TOKENS}, "packed"),
+        "falcon-packed-1-group": (
+            "falcon",
+            {"new_decoder_architecture": True, "num_kv_heads": 1, **TOKENS},
+            "refuse-packed",
+        ),
         "phi3-packed-mqa-grads": ("phi3", {"num_key_value_heads": 1, **TOKENS}, "grads-packed"),  # kv on both ranks
         "gpt2-packed-grads": ("gpt2", {**TOKENS}, "grads-packed"),  # Conv1D
         "phi3-packed-heads-3": (
@@ -110,6 +121,7 @@ ERRORS = {
     "mlp-90": "(layers.0.mlp.gate_up_proj): piece sizes [90, 90]",
     "phi3-packed-heads-3": "num_attention_heads=3 is not divisible by N",
     "phi3-packed-kv-3": "num_key_value_heads=3 neither divisible by nor dividing N",
+    "falcon-packed-1-group": "cannot be split over N=2 tensor-parallel processes (1 is not divisible by 2)",
 }
 
 
@@ -550,9 +562,9 @@ def _packed_rows(model_type, overrides, world_size):
     """This rank's packed q/k/v rows: its query heads and its (or its one shared) kv heads, from the config."""
     heads = overrides.get("num_attention_heads", 4)
     head_dim = overrides.get("hidden_size", 64) // heads
-    kv_heads = overrides.get("num_key_value_heads", 1 if overrides.get("multi_query", True) else heads)
-    if model_type == "gpt2":
-        kv_heads = heads
+    kv_heads = overrides.get("num_key_value_heads", overrides.get("num_kv_heads"))
+    if kv_heads is None:
+        kv_heads = 1 if overrides.get("multi_query", True) and model_type != "gpt2" else heads
     local_kv = kv_heads // world_size if kv_heads % world_size == 0 else 1
     return (heads // world_size + 2 * local_kv) * head_dim, heads // world_size // local_kv
 
@@ -566,7 +578,7 @@ def test_packed_qkv_tp_matches_single_process(launched, world_size, name):
         print(f"N={world_size} {name} rank {rank}: {json.dumps(result)}")
         assert result["vs_single"] <= TOLERANCE and result["greedy_single"], result
         assert result["packed_rows"] == rows, result  # sharded: fewer rows than the packed tensor's
-        assert result["kv_groups"] in (kv_groups, None if model_type == "gpt2" else kv_groups), result
+        assert result["kv_groups"] == (None if model_type in ("gpt2", "falcon") else kv_groups), result
         assert result["styles"] == ["fusegen_packed_colwise", "fusegen_packed_rowwise"] and result["sharded"] == 4
 
 
@@ -696,11 +708,17 @@ def test_packed_qkv_tp_gradients_match_single_process(launched, world_size, name
 
 
 def test_packed_plan_refuses_a_model_without_a_listed_packed_attention():
-    # Falcon packs query_key_value per kv group (new_decoder_architecture) or per head; not listed, so refused.
-    from transformers import FalconConfig, FalconForCausalLM
-
     from fusegen.runtime.tp import apply_packed_tp_plan
 
-    model = FalconForCausalLM(tiny_config(FalconConfig, new_decoder_architecture=True, num_kv_heads=2))
-    with pytest.raises(ValueError, match=r"falcon: no attention module of a packed-QKV class \(Phi3Attention"):
+    model = LlamaForCausalLM(tiny_config(LlamaConfig))  # separate q/k/v: the fused file's TP_PLAN is for it
+    with pytest.raises(ValueError, match=r"llama: no attention module of a packed-QKV class \(Phi3Attention"):
+        apply_packed_tp_plan(model)
+
+
+def test_packed_plan_refuses_falcon_alibi():
+    # FalconModel builds the alibi slopes for all heads; a local head count would view them wrongly.
+    from fusegen.runtime.tp import apply_packed_tp_plan
+
+    model = FalconForCausalLM(tiny_config(FalconConfig, alibi=True, new_decoder_architecture=False))
+    with pytest.raises(ValueError, match="alibi is built for all heads"):
         apply_packed_tp_plan(model)

@@ -671,9 +671,10 @@ class PackedAttention:
     """How one Transformers attention class packs q/k/v, read off its source (the soundness of the plan rests on it).
 
     `packed`/`output`: attribute names of the packed projection and of the output projection. `pieces(module)`:
-    the packed rows as pieces `(rows, units, replicable)`, in row order, each cut into whole units (heads) over the
-    processes. `localise(module, heads, kv_heads)` sets what the forward reads so it computes with this process's
-    heads. A class not listed is refused: guessing a packed layout would return wrong numbers.
+    `(query heads, kv heads, pieces)`, the packed rows as pieces `(rows, units, replicable)` in row order, each cut
+    into whole units (heads, or falcon's kv groups) over the processes. `localise(module, heads, kv_heads)` sets what
+    the forward reads so it computes with this process's heads. A class not listed is refused: guessing a packed
+    layout would return wrong numbers.
     """
 
     packed: str
@@ -684,11 +685,8 @@ class PackedAttention:
 
 def _phi3_pieces(module):
     heads, kv_heads, head_dim = module.config.num_attention_heads, module.num_key_value_heads, module.head_dim
-    return [
-        (heads * head_dim, heads, False),
-        (kv_heads * head_dim, kv_heads, True),
-        (kv_heads * head_dim, kv_heads, True),
-    ]
+    q, kv = (heads * head_dim, heads, False), (kv_heads * head_dim, kv_heads, True)
+    return heads, kv_heads, [q, kv, kv]
 
 
 def _phi3_localise(module, heads, kv_heads):
@@ -700,8 +698,8 @@ def _phi3_localise(module, heads, kv_heads):
 def _gpt2_pieces(module):
     if module.is_cross_attention:
         raise ValueError(f"{_model_name(module)}: cross-attention (q_attn + c_attn) has no packed-QKV plan")
-    rows = module.num_heads * module.head_dim
-    return [(rows, module.num_heads, False)] * 3
+    heads = module.num_heads
+    return heads, heads, [(heads * module.head_dim, heads, False)] * 3
 
 
 def _gpt2_localise(module, heads, kv_heads):
@@ -714,8 +712,8 @@ def _bigcode_pieces(module):
         raise ValueError(f"{_model_name(module)}: cross-attention (q_attn + c_attn) has no packed-QKV plan")
     heads, head_dim = module.num_heads, module.head_dim
     if module.multi_query:  # [q (all heads); k (1 head); v (1 head)]
-        return [(heads * head_dim, heads, False), (head_dim, 1, True), (head_dim, 1, True)]
-    return [(heads * 3 * head_dim, heads, False)]  # per head [q_h k_h v_h]: view(num_heads, 3 * head_dim)
+        return heads, 1, [(heads * head_dim, heads, False), (head_dim, 1, True), (head_dim, 1, True)]
+    return heads, heads, [(heads * 3 * head_dim, heads, False)]  # per head [q_h k_h v_h]: view(num_heads, 3 * d)
 
 
 def _bigcode_localise(module, heads, kv_heads):
@@ -723,6 +721,25 @@ def _bigcode_localise(module, heads, kv_heads):
     module.num_heads = heads
     module.embed_dim = heads * module.head_dim
     module.num_key_value_groups = heads // kv_heads if module.multi_query else 1
+
+
+def _falcon_pieces(module):
+    if module.config.alibi:  # FalconModel builds the slopes for all heads; the attention views them per local head
+        raise ValueError(f"{_model_name(module)}: alibi is built for all heads by the model; no packed-QKV plan")
+    heads, head_dim = module.num_heads, module.head_dim
+    if module.new_decoder_architecture:  # per kv group [q_g (H/KV heads); k_g; v_g]: view(-1, H/KV + 2, head_dim)
+        kv_heads = module.num_kv_heads
+        return heads, kv_heads, [(kv_heads * (heads // kv_heads + 2) * head_dim, kv_heads, False)]
+    if module.multi_query:  # [q (all heads); k; v]: view(num_heads + 2, head_dim)
+        return heads, 1, [(heads * head_dim, heads, False), (head_dim, 1, True), (head_dim, 1, True)]
+    return heads, heads, [(heads * 3 * head_dim, heads, False)]  # per head [q_h k_h v_h]: view(num_heads, 3, d)
+
+
+def _falcon_localise(module, heads, kv_heads):
+    # _split_heads and forward read self.num_heads, and self.num_kv_heads unless multi_query (then 1 kv head)
+    module.num_heads = heads
+    if module.new_decoder_architecture or not module.multi_query:
+        module.num_kv_heads = kv_heads
 
 
 PACKED_ATTENTION = {
@@ -734,6 +751,9 @@ PACKED_ATTENTION = {
     ),
     "transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention": PackedAttention(
         "c_attn", "c_proj", _bigcode_pieces, _bigcode_localise
+    ),
+    "transformers.models.falcon.modeling_falcon.FalconAttention": PackedAttention(
+        "query_key_value", "dense", _falcon_pieces, _falcon_localise
     ),
 }
 
@@ -834,17 +854,18 @@ def apply_packed_tp_plan(model: nn.Module, group=None) -> dict[str, str]:
             f"{_model_label(getattr(model, 'config', None))}: no attention module of a packed-QKV class "
             f"({', '.join(key.rpartition('.')[2] for key in PACKED_ATTENTION)}); nothing to shard"
         )
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    partitions = []
-    for path, module in found:  # every check before the first change
+    layouts = []
+    for path, module in found:  # every check before the first change; these need no process group
         layout = PACKED_ATTENTION[_class_key(module)]
         if getattr(module, "tp_partition", None) is not None:
             raise ValueError(f"{_model_label(getattr(model, 'config', None))} ({path}) is already sharded")
         if getattr(module, layout.packed).weight.is_meta:
             raise ValueError(f"{path}.{layout.packed} is on the meta device; load the model before sharding it")
         module.tp_name = f"{_model_label(getattr(model, 'config', None))} ({path})"
-        pieces = layout.pieces(module)
-        heads, kv_heads = pieces[0][1], pieces[-1][1]
+        layouts.append((path, module, layout, *layout.pieces(module)))
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    partitions = []
+    for path, module, layout, heads, kv_heads, pieces in layouts:
         check_head_counts(module.tp_name, heads, kv_heads, world_size)
         rows, units, replicable = zip(*pieces)
         partition = partition_rows(rows, units, replicable, world_size, rank, what=module.tp_name)
