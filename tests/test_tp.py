@@ -722,3 +722,17 @@ def test_packed_plan_refuses_falcon_alibi():
     model = FalconForCausalLM(tiny_config(FalconConfig, alibi=True, new_decoder_architecture=False))
     with pytest.raises(ValueError, match="alibi is built for all heads"):
         apply_packed_tp_plan(model)
+
+
+def test_local_heads_config_reads_through_and_survives_a_deep_copy():
+    import copy
+
+    from fusegen.runtime.tp import _LocalHeadsConfig
+
+    config = tiny_config(LlamaConfig, num_key_value_heads=2)
+    local = _LocalHeadsConfig(config, num_attention_heads=2, num_key_value_heads=1)
+    config._attn_implementation = "eager"  # set later on the model's config: seen through the view
+    assert (local.num_attention_heads, local.num_key_value_heads, local.hidden_size) == (2, 1, 64)
+    assert local._attn_implementation == "eager"
+    copied = copy.deepcopy(local)
+    assert (copied.num_attention_heads, copied.num_key_value_heads, copied.hidden_size) == (2, 1, 64)

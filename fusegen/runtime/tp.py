@@ -659,6 +659,8 @@ class _LocalHeadsConfig:
         object.__setattr__(self, "_local", dict(local))
 
     def __getattr__(self, name):
+        if name.startswith("__"):  # copy/pickle protocols: this object's own, never the wrapped config's
+            raise AttributeError(name)
         local = object.__getattribute__(self, "_local")
         return local[name] if name in local else getattr(object.__getattribute__(self, "_config"), name)
 
