@@ -31,8 +31,8 @@ def _is_bad_input(error: BaseException) -> bool:
     `CheckpointError` is looked up only if its module is loaded (an error cannot be one otherwise), so importing
     this module stays free of torch.
     """
-    loading = sys.modules.get("fusegen.runtime.loading")
-    kinds = (FusegenError, OSError) + ((loading.CheckpointError,) if loading is not None else ())
+    files = sys.modules.get("fusegen.runtime.files")
+    kinds = (FusegenError, OSError) + ((files.CheckpointError,) if files is not None else ())
     return isinstance(error, kinds)
 
 

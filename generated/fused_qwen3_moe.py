@@ -62,11 +62,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from fusegen.runtime import (
+    FusedPreTrainedMixin,
     MergedColumnLinear,
-    check_loading,
     register_fused_causal_lm,
     register_stacked_checkpoint,
-    stream_weights,
 )
 
 STACKED_PARAMS_MAPPING = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
@@ -202,7 +201,7 @@ class FusedQwen3MoeDecoderLayer(GradientCheckpointingLayer):
 
 
 @auto_docstring
-class FusedQwen3MoePreTrainedModel(PreTrainedModel):
+class FusedQwen3MoePreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):
     config: Qwen3MoeConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -226,45 +225,6 @@ class FusedQwen3MoePreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, Qwen3MoeTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
-
-    @classmethod
-    def _finalize_model_loading(cls, model, load_config, loading_info):
-        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
-        check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
-        return super()._finalize_model_loading(model, load_config, loading_info)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """Transformers' from_pretrained, for the canonical layout and `fusegen convert`'s fused one (validated first)."""
-        from fusegen.runtime import fused_from_pretrained
-
-        return fused_from_pretrained(
-            cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
-        )
-
-    @classmethod
-    def is_custom_code(cls):
-        """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
-        return False
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
-        from fusegen.runtime import save_pretrained_canonically
-
-        return save_pretrained_canonically(self, super().save_pretrained, save_directory, *args, **kwargs)
-
-    def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
-        """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
-        from fusegen.runtime import load_adapter_packed
-
-        return load_adapter_packed(
-            self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs
-        )
-
-    @classmethod
-    def _can_set_experts_implementation(cls):
-        """The experts classes live in the original module, which has the decorator Transformers looks for here."""
-        return True
 
 
 @auto_docstring
@@ -329,15 +289,6 @@ class FusedQwen3MoeModel(FusedQwen3MoePreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
-
-    def init_parallel_plans(self):
-        """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
-
-        fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
-        """
-        from fusegen.runtime import init_fused_parallel_plans
-
-        init_fused_parallel_plans(self, TP_PLAN)
 
 
 @auto_docstring
@@ -425,10 +376,6 @@ class FusedQwen3MoeForCausalLM(FusedQwen3MoePreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
         )
-
-    def load_weights(self, weights):
-        """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model."""
-        return stream_weights(self, weights)
 
 
 register_stacked_checkpoint(["FusedQwen3MoeModel"], STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["self_attn"]})

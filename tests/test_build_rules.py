@@ -29,9 +29,11 @@ def test_class_built_from_a_config_of_any_type_is_refused_as_unreachable():
     assert ("Qwen2Attention", "unreachable") in rules(analyse("got_ocr2").outcomes)
 
 
-def test_transformers_models_declare_themselves_library_code():
+def test_pretrained_base_inherits_the_runtime_mixin_and_carries_no_added_methods():
     text = build("llama").text
-    assert "def is_custom_code(cls):" in text
+    assert "class FusedLlamaPreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):" in text
+    for method in ("from_pretrained", "save_pretrained", "load_adapter", "load_weights", "init_parallel_plans"):
+        assert f"def {method}(" not in text, method
 
 
 def test_projection_reached_from_another_class_is_refused():

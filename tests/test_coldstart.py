@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from fusegen.tools.convert import convert_checkpoint
-from fusegen.runtime import CheckpointError, load_checkpoint, loading
+from fusegen.runtime import CheckpointError, files, load_checkpoint
 from fusegen.runtime.streaming import concatenate_into_new, file_region, fill_from_file, reading_session
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
 from generated.fused_qwen2 import FusedQwen2ForCausalLM
@@ -180,7 +180,7 @@ def test_only_the_mapped_file_itself_is_read(tmp_path):
 
 def test_load_checkpoint_converts_in_chunks(checkpoint, monkeypatch):
     path, original = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
-    monkeypatch.setattr(loading, "_BOUNCE_BYTES", 1000)  # several chunks per tensor, and a ragged last one
+    monkeypatch.setattr(files, "_BOUNCE_BYTES", 1000)  # several chunks per tensor, and a ragged last one
     model = FusedLlamaForCausalLM(original.config).to(torch.float64)
     load_checkpoint(model, path)
     expected = torch.cat(
@@ -245,7 +245,7 @@ CUT_AFTER_VALIDATION = textwrap.dedent("""
     from safetensors import safe_open
     from safetensors.torch import save_file
     from fusegen.runtime import CheckpointError
-    from fusegen.runtime.loading import _execute, open_checkpoint, plan_load
+    from fusegen.runtime.loading import execute_plan, open_checkpoint, plan_load
     from fusegen.runtime.streaming import fill_from_file
     from generated.fused_llama import FusedLlamaForCausalLM
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -263,7 +263,7 @@ CUT_AFTER_VALIDATION = textwrap.dedent("""
         plan = plan_load(model, checkpoint)
         os.truncate(weights, 4096)
         try:
-            _execute(plan, checkpoint)
+            execute_plan(plan, checkpoint)
         except CheckpointError as error:
             print("load_checkpoint:", "partially loaded" in str(error))
 

@@ -97,7 +97,12 @@ def test_importing_a_generated_file_loads_no_compiler_machinery():
         "fusegen.runtime.auto",
         "fusegen.runtime.checkpoint",
         "fusegen.runtime.linear",
+        "fusegen.runtime.files",
         "fusegen.runtime.loading",
+        "fusegen.runtime.merged",
+        "fusegen.runtime.plan",
+        "fusegen.runtime.pretrained",
+        "fusegen.runtime.saving",
         "fusegen.runtime.strict",
         "fusegen.runtime.peft",  # imports PEFT only inside its functions, see tests/test_ecosystem.py
         "fusegen.runtime.quant",  # torch only: quantizer support, imported by checkpoint.py

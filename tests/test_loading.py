@@ -463,7 +463,7 @@ def test_canonical_names_in_a_fused_checkpoint_are_reported_as_a_layout_mix_up(f
 
 def test_file_cut_after_validation_is_reported_not_ignored(tmp_path):
     """The one failure that can only surface mid-copy; the error says the model is partially loaded."""
-    from fusegen.runtime.loading import _execute, plan_load
+    from fusegen.runtime.loading import execute_plan, plan_load
 
     model = FusedLlamaForCausalLM(llama_config())
     path = write_single(tmp_path / "ckpt", canonical_state(llama_config()))
@@ -471,7 +471,7 @@ def test_file_cut_after_validation_is_reported_not_ignored(tmp_path):
         plan = plan_load(model, checkpoint)
         os.truncate(path / "model.safetensors", 4096)
         with pytest.raises(CheckpointError, match="partially loaded"):
-            _execute(plan, checkpoint)
+            execute_plan(plan, checkpoint)
 
 
 def test_meta_model_is_refused(tmp_path):

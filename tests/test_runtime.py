@@ -476,3 +476,55 @@ def test_runtime_imports_only_torch_and_transformers():
             else:
                 continue
             assert roots <= allowed_here, (file.name, roots)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# FusedPreTrainedMixin: the methods every generated pretrained base inherits
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_copies_of_transformers_code_declare_themselves_library_code():
+    from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
+
+    class Mine(FusedLlamaForCausalLM):  # a user's subclass, in a module that is no generated file
+        pass
+
+    assert LlamaForCausalLM.is_custom_code() is False
+    assert FusedLlamaForCausalLM.is_custom_code() is False
+    assert FusedLlamaModel.is_custom_code() is False
+    assert Mine.is_custom_code() is False
+
+
+def test_copy_of_user_code_stays_custom_code(monkeypatch):
+    from transformers import PreTrainedModel
+
+    from fusegen.runtime import FusedPreTrainedMixin
+    from fusegen.runtime.version import StaleGeneratedFileWarning, check_source
+
+    monkeypatch.setenv("FUSEGEN_ALLOW_STALE", "1")
+    with pytest.warns(StaleGeneratedFileWarning):
+        check_source("my_models.modeling_x", "0" * 64, built_with="5.24.0", target="x", generated=__name__)
+
+    class FusedXPreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):
+        pass
+
+    assert FusedXPreTrainedModel.is_custom_code() is True
+
+
+def test_experts_implementation_is_answered_as_for_the_original():
+    from transformers import MixtralForCausalLM
+
+    from generated.fused_llama import FusedLlamaForCausalLM
+    from generated.fused_mixtral import FusedMixtralForCausalLM, FusedMixtralModel
+
+    # Transformers searches the class's module source for its experts decorator; the generated file lacks it.
+    assert (
+        "@use_experts_implementation"
+        not in pathlib.Path(sys.modules[FusedMixtralModel.__module__].__file__).read_text()
+    )
+    assert MixtralForCausalLM._can_set_experts_implementation() is True
+    assert FusedMixtralForCausalLM._can_set_experts_implementation() is True
+    assert FusedMixtralModel._can_set_experts_implementation() is True
+    assert (
+        FusedLlamaForCausalLM._can_set_experts_implementation() is LlamaForCausalLM._can_set_experts_implementation()
+    )

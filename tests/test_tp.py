@@ -22,7 +22,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    FalconConfig,
+    FalconForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTBigCodeConfig,
+    GPTBigCodeForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from fusegen.runtime.tp import (
     LOCAL_HEADS,
@@ -43,7 +56,13 @@ TOLERANCE = 1e-5
 MODELS = {
     "llama": (LlamaConfig, LlamaForCausalLM, "FusedLlamaForCausalLM"),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, "FusedQwen2ForCausalLM"),
+    # Checkpoints that store q/k/v packed: nothing to fuse, the original class is sharded (apply_packed_tp_plan).
+    "phi3": (Phi3Config, Phi3ForCausalLM, None),
+    "gpt2": (GPT2Config, GPT2LMHeadModel, None),  # c_attn is a Conv1D: weight (in, out)
+    "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM, None),
+    "falcon": (FalconConfig, FalconForCausalLM, None),  # query_key_value: per kv group, [q | k | v] or per head
 }
+TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # the defaults lie outside the tiny vocabulary
 # name -> (model type, config overrides, how the case runs). Heads are 4 unless overridden (tests/conftest.py TINY).
 CASES = {
     2: {
@@ -59,6 +78,32 @@ CASES = {
         "llama-mqa-grads": ("llama", {"num_key_value_heads": 1}, "grads"),  # kv head replicated on both ranks
         "heads-3": ("llama", {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}, "error"),
         "kv-heads-3": ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, "error"),
+        "phi3-packed-gqa": ("phi3", {"num_key_value_heads": 2, **TOKENS}, "packed"),
+        "phi3-packed-mqa": ("phi3", {"num_key_value_heads": 1, **TOKENS}, "packed"),  # kv head on both ranks
+        "phi3-packed-mha": ("phi3", {"num_key_value_heads": 4, **TOKENS}, "packed"),
+        "gpt2-packed": ("gpt2", {**TOKENS}, "packed"),
+        "bigcode-packed-mqa": ("gpt_bigcode", {"multi_query": True, **TOKENS}, "packed"),
+        "bigcode-packed-mha": ("gpt_bigcode", {"multi_query": False, **TOKENS}, "packed"),
+        "falcon-packed-groups": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, **TOKENS}, "packed"),
+        "falcon-packed-mqa": ("falcon", {"new_decoder_architecture": False, "multi_query": True, **TOKENS}, "packed"),
+        "falcon-packed-mha": ("falcon", {"new_decoder_architecture": False, "multi_query": False, **TOKENS}, "packed"),
+        "falcon-packed-1-group": (
+            "falcon",
+            {"new_decoder_architecture": True, "num_kv_heads": 1, **TOKENS},
+            "refuse-packed",
+        ),
+        "phi3-packed-mqa-grads": ("phi3", {"num_key_value_heads": 1, **TOKENS}, "grads-packed"),  # kv on both ranks
+        "gpt2-packed-grads": ("gpt2", {**TOKENS}, "grads-packed"),  # Conv1D
+        "phi3-packed-heads-3": (
+            "phi3",
+            {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3, **TOKENS},
+            "refuse-packed",
+        ),
+        "phi3-packed-kv-3": (
+            "phi3",
+            {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, **TOKENS},
+            "refuse-packed",
+        ),
     },
     4: {
         "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),  # each kv head shared by 2 ranks
@@ -66,6 +111,7 @@ CASES = {
         "qwen2-mqa": ("qwen2", {"num_key_value_heads": 1}, "compare"),
         "heads-2": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 2}, "error"),
         "mlp-90": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "error"),
+        "phi3-packed-gqa": ("phi3", {"num_key_value_heads": 2, **TOKENS}, "packed"),  # kv head shared by 2 ranks
     },
 }
 ERRORS = {
@@ -73,6 +119,9 @@ ERRORS = {
     "kv-heads-3": "num_key_value_heads=3 neither divisible by nor dividing N",
     "heads-2": "N is larger than num_attention_heads=2",
     "mlp-90": "(layers.0.mlp.gate_up_proj): piece sizes [90, 90]",
+    "phi3-packed-heads-3": "num_attention_heads=3 is not divisible by N",
+    "phi3-packed-kv-3": "num_key_value_heads=3 neither divisible by nor dividing N",
+    "falcon-packed-1-group": "cannot be split over N=2 tensor-parallel processes (1 is not divisible by 2)",
 }
 
 
@@ -251,7 +300,73 @@ def _error(model_type, path):
     return {"error": None}
 
 
+def _packed(model_type, path, how):
+    """The original class sharded by `apply_packed_tp_plan`, against the same class in one process."""
+    from fusegen.runtime.tp import PACKED_ATTENTION, apply_packed_tp_plan
+
+    _, original_class, _ = MODELS[model_type]
+    tp = original_class.from_pretrained(path).eval()
+    if how == "refuse-packed":
+        before = {name: tensor.clone() for name, tensor in tp.state_dict().items()}
+        try:
+            apply_packed_tp_plan(tp)
+        except ValueError as error:
+            unchanged = all(torch.equal(before[name], tensor) for name, tensor in tp.state_dict().items())
+            return {"error": str(error), "unchanged": unchanged}
+        return {"error": None}
+    plan = apply_packed_tp_plan(tp)
+    single = original_class.from_pretrained(path).eval()
+    input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, single_logits = tp(input_ids).logits, single(input_ids).logits
+    greedy = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    prompt = input_ids[:1, :5]
+    attention = next(m for m in tp.modules() if hasattr(m, "tp_partition"))
+    layout = PACKED_ATTENTION[f"{type(attention).__module__}.{type(attention).__qualname__}"]
+    packed = getattr(attention, layout.packed)
+    return {
+        "vs_single": (logits - single_logits).abs().max().item(),
+        "greedy_single": torch.equal(tp.generate(prompt, **greedy), single.generate(prompt, **greedy)),
+        "packed_rows": packed.nf if hasattr(packed, "nf") else packed.weight.shape[0],
+        "kv_groups": getattr(attention, "num_key_value_groups", None),
+        "styles": sorted(set(plan.values())),
+        "sharded": len(plan),
+    }
+
+
+def _packed_grads(model_type, path):
+    """Every parameter's gradient under `apply_packed_tp_plan` against the single-process one (this rank's slice)."""
+    from fusegen.runtime.tp import PACKED_COLWISE, PACKED_ROWWISE, _is_conv1d, apply_packed_tp_plan
+
+    _, original_class, _ = MODELS[model_type]
+    tp, single = (original_class.from_pretrained(path).eval() for _ in range(2))
+    plan = apply_packed_tp_plan(tp)
+    input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    for model in (tp, single):
+        model(input_ids).logits.pow(2).mean().backward()
+    reference = dict(single.named_parameters())
+    diffs, packed_grad = [], 0.0
+    for name, parameter in tp.named_parameters():
+        expected = reference[name].grad
+        module_path, _, leaf = name.rpartition(".")
+        module = tp.get_submodule(module_path)
+        dim = 1 if _is_conv1d(module) and leaf == "weight" else 0
+        if plan.get(module_path) == PACKED_COLWISE:
+            rows = tp.get_submodule(module_path.rpartition(".")[0]).tp_partition.merged_rows()
+            expected = torch.cat([expected.narrow(dim, start, size) for start, size in rows], dim=dim)
+            packed_grad = max(packed_grad, parameter.grad.abs().max().item())
+        elif plan.get(module_path) == PACKED_ROWWISE and leaf == "weight":
+            size = parameter.shape[1 - dim]
+            expected = expected.narrow(1 - dim, torch.distributed.get_rank() * size, size)
+        diffs.append((parameter.grad - expected).abs().max().item())
+    return {"grad_max_diff": max(diffs), "packed_grad_max": packed_grad, "parameters": len(diffs)}
+
+
 def _run_case(model_type, path, how, out):
+    if how in ("packed", "refuse-packed"):
+        return _packed(model_type, path, how)
+    if how == "grads-packed":
+        return _packed_grads(model_type, path)
     if how == "save":
         return _save(model_type, path, out)
     if how == "error":
@@ -443,6 +558,39 @@ def test_unshardable_head_counts_fail_with_a_clear_error(launched, world_size, n
         assert path in result["error"], result["error"]  # names the model
 
 
+def _packed_rows(model_type, overrides, world_size):
+    """This rank's packed q/k/v rows: its query heads and its (or its one shared) kv heads, from the config."""
+    heads = overrides.get("num_attention_heads", 4)
+    head_dim = overrides.get("hidden_size", 64) // heads
+    kv_heads = overrides.get("num_key_value_heads", overrides.get("num_kv_heads"))
+    if kv_heads is None:
+        kv_heads = 1 if overrides.get("multi_query", True) and model_type != "gpt2" else heads
+    local_kv = kv_heads // world_size if kv_heads % world_size == 0 else 1
+    return (heads // world_size + 2 * local_kv) * head_dim, heads // world_size // local_kv
+
+
+@pytest.mark.parametrize(("world_size", "name"), _cases("packed"))
+def test_packed_qkv_tp_matches_single_process(launched, world_size, name):
+    (model_type, _, _), per_rank = _results(launched, world_size, name)
+    overrides = CASES[world_size][name][1]
+    rows, kv_groups = _packed_rows(model_type, overrides, world_size)
+    for rank, result in enumerate(per_rank):
+        print(f"N={world_size} {name} rank {rank}: {json.dumps(result)}")
+        assert result["vs_single"] <= TOLERANCE and result["greedy_single"], result
+        assert result["packed_rows"] == rows, result  # sharded: fewer rows than the packed tensor's
+        assert result["kv_groups"] == (None if model_type in ("gpt2", "falcon") else kv_groups), result
+        assert result["styles"] == ["fusegen_packed_colwise", "fusegen_packed_rowwise"] and result["sharded"] == 4
+
+
+@pytest.mark.parametrize(("world_size", "name"), _cases("refuse-packed"))
+def test_packed_qkv_tp_refuses_unshardable_heads_before_changing_anything(launched, world_size, name):
+    (_, path, _), per_rank = _results(launched, world_size, name)
+    for result in per_rank:
+        assert result["error"] is not None, "sharded although the heads cannot be split"
+        assert ERRORS[name] in result["error"] and f"N={world_size}" in result["error"], result["error"]
+        assert path in result["error"] and result["unchanged"], result
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Single-process tests: partitions, validation, plans, saving
 # --------------------------------------------------------------------------------------------------------------------
@@ -548,3 +696,43 @@ def test_saving_refuses_replicated_kv_heads():
     qkv.tp_partition = RowPartition((64, 16, 16), (0, 0, 0), (32, 16, 16), 2, 0)
     with pytest.raises(ValueError, match="replicated"):
         _split(model, torch.randn(64, 3))
+
+
+@pytest.mark.parametrize(("world_size", "name"), _cases("grads-packed"))
+def test_packed_qkv_tp_gradients_match_single_process(launched, world_size, name):
+    _, per_rank = _results(launched, world_size, name)
+    for rank, result in enumerate(per_rank):
+        print(f"N={world_size} {name} rank {rank}: {json.dumps(result)}")
+        assert result["packed_grad_max"] > 1e-3, result  # a gradient that can be wrong
+        assert result["grad_max_diff"] <= TOLERANCE, result
+
+
+def test_packed_plan_refuses_a_model_without_a_listed_packed_attention():
+    from fusegen.runtime.tp import apply_packed_tp_plan
+
+    model = LlamaForCausalLM(tiny_config(LlamaConfig))  # separate q/k/v: the fused file's TP_PLAN is for it
+    with pytest.raises(ValueError, match=r"llama: no attention module of a packed-QKV class \(Phi3Attention"):
+        apply_packed_tp_plan(model)
+
+
+def test_packed_plan_refuses_falcon_alibi():
+    # FalconModel builds the alibi slopes for all heads; a local head count would view them wrongly.
+    from fusegen.runtime.tp import apply_packed_tp_plan
+
+    model = FalconForCausalLM(tiny_config(FalconConfig, alibi=True, new_decoder_architecture=False))
+    with pytest.raises(ValueError, match="alibi is built for all heads"):
+        apply_packed_tp_plan(model)
+
+
+def test_local_heads_config_reads_through_and_survives_a_deep_copy():
+    import copy
+
+    from fusegen.runtime.tp import _LocalHeadsConfig
+
+    config = tiny_config(LlamaConfig, num_key_value_heads=2)
+    local = _LocalHeadsConfig(config, num_attention_heads=2, num_key_value_heads=1)
+    config._attn_implementation = "eager"  # set later on the model's config: seen through the view
+    assert (local.num_attention_heads, local.num_key_value_heads, local.hidden_size) == (2, 1, 64)
+    assert local._attn_implementation == "eager"
+    copied = copy.deepcopy(local)
+    assert (copied.num_attention_heads, copied.num_key_value_heads, copied.hidden_size) == (2, 1, 64)

@@ -6,7 +6,7 @@
 the candidate classes; 3-5. `analyse` traces (`trace`), matches (`match`) and rewrites (`rewrite_init`,
 `rewrite_forward`, under the rules of `safety`) each candidate class, with the vetoes found outside a class
 (`vetoes`) fed back in; 6. `propagate` copies every class that names a fused class (`reachable` refuses what the
-causal LM never builds; `methods` adds the loading methods; `scopes`, `mappings` and `imports` derive the file's
+causal LM never builds; `methods` adds the runtime base class; `scopes`, `mappings` and `imports` derive the file's
 tables and imports); 7. `render` fills the template; 8. `validate` runs the result against the original; 9. the
 CLI writes it (`writer`). Each stage is its own module and hands the next plain data; this one only calls them.
 """
@@ -27,7 +27,7 @@ from fusegen.compiler.analyse import analyse_classes
 from fusegen.compiler.imports import import_block
 from fusegen.compiler.instantiate import candidates, instantiate
 from fusegen.compiler.mappings import checkpoint_classes, stacked_mapping, tensor_parallel
-from fusegen.compiler.methods import CHECK, REGISTER, REGISTER_AUTO, STREAM, TEMPLATE_NAMES, add_methods
+from fusegen.compiler.methods import CHECK, MIXIN, REGISTER, REGISTER_AUTO, TEMPLATE_NAMES, add_runtime_base
 from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes, merged_linears
 from fusegen.compiler.propagate import Emitted, classes_to_emit, fused_name, fused_names, rename_classes
 from fusegen.compiler.reachable import refuse_unreachable
@@ -105,17 +105,17 @@ def build(name: str, validate: bool = True, refused: Vetoes | None = None) -> Bu
 
 
 def propagate(analysis: Analysis) -> Emission:
-    """Stage 6: the classes to emit (`analyse` already refused what is unreachable), renamed, with fusegen's methods
+    """Stage 6: the classes to emit (`analyse` already refused what is unreachable), renamed, with the runtime base class
     added, and the tables and imports the generated file needs."""
     target, model, outcomes = analysis.target, analysis.model, analysis.outcomes
     emitted = classes_to_emit(target.module, model, analysis.rewritten)
     renames = fused_names(emitted)
-    add_methods(emitted, target, model)
+    add_runtime_base(emitted, model)
     for item in emitted.values():
         rename_classes(item.classdef, renames)
     kind_names = {name for kind in fusions.kinds() for name in kind.runtime_names}
     imports = import_block(
-        emitted, set(renames.values()) | TEMPLATE_NAMES, {REGISTER, STREAM, REGISTER_AUTO}, {CHECK} | kind_names
+        emitted, set(renames.values()) | TEMPLATE_NAMES, {REGISTER, REGISTER_AUTO}, {CHECK, MIXIN} | kind_names
     )
     return Emission(
         emitted,

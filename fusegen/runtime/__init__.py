@@ -13,17 +13,20 @@ from .checkpoint import (
     build_stacked_converters,
     register_stacked_checkpoint,
 )
+from .files import CheckpointError
 from .linear import MergedColumnLinear
-from .loading import CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from .loading import load_checkpoint, load_weights
 from .peft import AdapterError
 from .peft import load_adapter as load_adapter_packed
+from .pretrained import FusedPreTrainedMixin, fused_from_pretrained
+from .saving import save_checkpoint
 from .strict import check_loading
 from .version import StaleGeneratedFile, check_source
 
 # PEFT learns about merged linears when it is imported (now, or later); importing this package never imports PEFT.
 _peft.arm()
 
-# What a generated causal LM's `load_weights` method calls (a distinct name, so the method does not shadow it).
+# What the `load_weights` method of files generated before `FusedPreTrainedMixin` calls (kept for those files).
 stream_weights = load_weights
 
 # Tensor parallelism (`.tp`) is imported on first use, e.g. when a generated model is built: importing a generated
@@ -32,16 +35,13 @@ _TP_EXPORTS = (
     "LocalHeadsParallel",
     "MergedColumnParallel",
     "PartitionedConcatenate",
+    "apply_packed_tp_plan",
     "init_fused_parallel_plans",
     "partition_rows",
 )
 
 
 def __getattr__(name: str):
-    if name == "fused_from_pretrained":  # imported when a generated class's from_pretrained runs, not on import
-        from .pretrained import fused_from_pretrained
-
-        return fused_from_pretrained
     if name in _TP_EXPORTS:
         from . import tp
 
@@ -52,6 +52,7 @@ def __getattr__(name: str):
 __all__ = [
     "AdapterError",
     "CheckpointError",
+    "FusedPreTrainedMixin",
     "LocalHeadsParallel",
     "MergedColumnConcatenate",
     "MergedColumnLinear",
@@ -59,6 +60,7 @@ __all__ = [
     "MergedColumnSplit",
     "PartitionedConcatenate",
     "StaleGeneratedFile",
+    "apply_packed_tp_plan",
     "build_stacked_converters",
     "check_loading",
     "check_source",

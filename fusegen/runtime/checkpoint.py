@@ -34,6 +34,7 @@ from transformers.conversion_mapping import (
 )
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
+from .merged import find_merged_linear
 from .quant import check_quantized_pieces, check_quantized_save
 from .streaming import PreallocatedConcatenate
 
@@ -46,32 +47,8 @@ _NAME_RE = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
 _LEFT_BOUNDARY = r"(?<![^.])"
 
 
-def _find_merged_linear(model: nn.Module | None, param_name: str | None) -> nn.Module | None:
-    """Return the module owning `param_name` if it is a merged linear (has `output_sizes`), else None.
-
-    Converters only get the root model and a parameter name. Depending on whether a ForCausalLM checkpoint is loaded into a
-    base model (or the opposite) that name may carry one `base_model_prefix` level too many or too few, so both variants
-    are tried. Duck-typing on `output_sizes` (not isinstance) keeps models built before an importlib.reload working.
-    """
-    if model is None or not param_name:
-        return None
-    module_path = param_name.rpartition(".")[0]
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    candidates = [module_path]
-    if prefix:
-        candidates += [module_path.removeprefix(prefix + "."), f"{prefix}.{module_path}"]
-    for candidate in candidates:
-        try:
-            module = model.get_submodule(candidate)
-        except AttributeError:
-            continue
-        if getattr(module, "output_sizes", None) is not None:
-            return module
-    return None
-
-
-def _tensors_of(value: Any) -> list[torch.Tensor]:
-    """Transformers passes either one tensor or a list of tensors per pattern; normalise to a list."""
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """Transformers passes either one tensor or a list of tensors per pattern to a conversion op; normalise to a list."""
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
@@ -101,8 +78,8 @@ class MergedColumnConcatenate(PreallocatedConcatenate):
         **kwargs,
     ) -> dict[str, torch.Tensor]:
         check_quantized_pieces(input_dict, full_layer_name, model)
-        pieces = [t.shape[self.dim] for p in source_patterns if p in input_dict for t in _tensors_of(input_dict[p])]
-        merged = _find_merged_linear(model, full_layer_name)
+        pieces = [t.shape[self.dim] for p in source_patterns if p in input_dict for t in tensors_of(input_dict[p])]
+        merged = find_merged_linear(model, full_layer_name)
         if merged is not None and pieces != list(merged.output_sizes):
             raise ValueError(
                 f"{full_layer_name}: checkpoint pieces have sizes {pieces} along dim {self.dim}, "
@@ -142,11 +119,11 @@ class MergedColumnSplit(ConversionOps):
     ) -> dict[str, torch.Tensor]:
         if len(input_dict) != 1:
             raise ValueError(f"MergedColumnSplit expects exactly one merged tensor, got {list(input_dict)}")
-        tensor = _tensors_of(next(iter(input_dict.values())))[0]
+        tensor = tensors_of(next(iter(input_dict.values())))[0]
         # `full_layer_name` is the FIRST piece's full name (e.g. `model.layers.0.self_attn.q_proj.weight`);
         # swap the piece pattern for the merged one to find the module that owns the tensor.
         head, found, tail = (full_layer_name or "").partition(target_patterns[0])
-        merged = _find_merged_linear(model, head + source_patterns[0] + tail) if found else None
+        merged = find_merged_linear(model, head + source_patterns[0] + tail) if found else None
         if merged is None:
             raise ValueError(f"Cannot find the merged linear owning {full_layer_name!r}; need it for its output_sizes")
         sizes = list(merged.output_sizes)
@@ -258,7 +235,7 @@ def register_stacked_checkpoint(
     Transformers keys some built-in conversions by the original class name (`"Dots3NoteTextModel"`); a fused class
     is looked up by its own name, so the original's class-keyed conversions are registered with ours. (Conversions
     keyed by model type are found at the root as for the original class, because generated classes declare
-    themselves library code, see `is_custom_code` in a generated file.)
+    themselves library code, see `FusedPreTrainedMixin.is_custom_code` in fusegen/runtime/pretrained.py.)
 
     Re-registering (re-import, `importlib.reload`) overwrites silently, because generated modules register at import
     time. Returns the converters built (a copy is registered per class name).

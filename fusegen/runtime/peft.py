@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .linear import sizes_attribute
-from .loading import stacked_mapping
+from .merged import stacked_mapping
 
 _PREFIX = "base_model.model."  # what PEFT's files and PeftModel put before the base model's names
 

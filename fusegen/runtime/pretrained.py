@@ -1,7 +1,8 @@
 """`from_pretrained` of the generated classes: both checkpoint layouts, validated before a byte is mapped.
 
-A generated pretrained base defines `from_pretrained` as a call to `fused_from_pretrained` with Transformers' own
-`from_pretrained` as `load`. For a local checkpoint directory it does two things before handing over:
+Every generated pretrained base inherits `FusedPreTrainedMixin` (at the end of this module) first; its
+`from_pretrained` calls `fused_from_pretrained` with Transformers' own `from_pretrained` as `load`. For a local
+checkpoint directory it does two things before handing over:
 
 1. **Validation** (`open_checkpoint`, headers only): every weight file is inside the directory (an index cannot name
    `../x`), every header parses, every file is as long as its header's data offsets say (a truncated file is a
@@ -32,8 +33,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .loading import FUSED, LAYOUT_KEY, Checkpoint, CheckpointError, _candidates, normalise_stacked, open_checkpoint
+from .auto import original_name
+from .files import FUSED, LAYOUT_KEY, Checkpoint, CheckpointError, open_checkpoint, weight_file_schemes
+from .merged import normalise_stacked
 from .streaming import reading_session
+from .version import source_module
 
 FUSEGEN_KEY = "fusegen"  # config.json: what `fusegen convert` wrote (layout, weights file, source fingerprint, ...)
 WEIGHTS_KEY = "transformers_weights"  # config.json: the weights file Transformers' from_pretrained reads
@@ -55,7 +59,7 @@ def _validated_directory(path: object, kwargs: dict) -> Path | None:
     if kwargs.get("use_safetensors") is False:
         return None
     root = Path(path) / (kwargs.get("subfolder") or "")
-    if not root.is_dir() or not _candidates(root):
+    if not root.is_dir() or not weight_file_schemes(root):
         return None
     explicit = _config_json(root).get(WEIGHTS_KEY)
     if explicit is not None and FUSEGEN_KEY not in _config_json(root):
@@ -152,3 +156,112 @@ def fused_from_pretrained(cls: type, load: Callable, path, *model_args, **kwargs
         _forget_layout(model.config)
         _save_canonical(model)
     return loaded
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The methods every generated pretrained base shares
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _generated_class(cls: type) -> tuple[type, str] | None:
+    """The first class in `cls`'s MRO defined by a generated file, and the modeling module that file was built from.
+
+    Walking the MRO (rather than reading `cls.__module__`) keeps a user's subclass in their own module working.
+    """
+    for klass in cls.__mro__:
+        source = source_module(klass.__module__)
+        if source is not None:
+            return klass, source
+    return None
+
+
+def _original_class(cls: type) -> type | None:
+    """The Transformers class a generated class is the fused copy of: `FusedMixtralForCausalLM` ->
+    `MixtralForCausalLM` in the source module; None if there is no such class (then nothing is delegated)."""
+    found = _generated_class(cls)
+    if found is None:
+        return None
+    klass, source = found
+    module = sys.modules.get(source)
+    original = getattr(module, original_name(klass.__name__), None) if module is not None else None
+    return original if isinstance(original, type) and original is not klass else None
+
+
+class FusedPreTrainedMixin:
+    """What a generated pretrained base adds to Transformers' `PreTrainedModel`; it is the first base of that class:
+    `class FusedLlamaPreTrainedModel(FusedPreTrainedMixin, PreTrainedModel)`.
+
+    Each method defers to the next class in the MRO (Transformers' own) around fusegen's step, so the order of
+    bases is the whole contract; a method the copied class defines in its own body still wins, as it did when these
+    methods were written into each generated file. Module-level data of the generated file (`TP_PLAN`) is looked up
+    through the class's MRO, so subclasses defined elsewhere behave as the generated class does.
+    """
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Transformers' from_pretrained, for the canonical layout and `fusegen convert`'s fused one (validated first)."""
+        return fused_from_pretrained(
+            cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
+        )
+
+    @classmethod
+    def _finalize_model_loading(cls, model, load_config, loading_info):
+        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
+        from .strict import check_loading
+
+        check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+        return super()._finalize_model_loading(model, load_config, loading_info)
+
+    @classmethod
+    def is_custom_code(cls):
+        """False for a copy of Transformers' own code: load and initialise the way Transformers treats its models.
+
+        Otherwise the copies count as custom code (their module is not under `transformers.`), which loads and
+        initialises differently: non-persistent buffers filled in `_init_weights` are skipped and model-type
+        checkpoint conversions are not applied at the root. A copy of a user's module stays custom code.
+        """
+        found = _generated_class(cls)
+        if found is not None and found[1].startswith("transformers."):
+            return False
+        return super().is_custom_code()
+
+    @classmethod
+    def _can_set_experts_implementation(cls):
+        """The original class's answer. Transformers decides by searching the class's module source for the
+        `@use_experts_implementation` decorator; the experts classes stay in the original module, so asked about
+        the generated file, a fused MoE model would silently fall back to the eager per-expert loop."""
+        original = _original_class(cls)
+        if original is not None and hasattr(original, "_can_set_experts_implementation"):
+            return original._can_set_experts_implementation()
+        return super()._can_set_experts_implementation()
+
+    def init_parallel_plans(self):
+        """Transformers' parallel plans, with the generated file's `TP_PLAN` rules for the merged projections.
+
+        fusegen.runtime.tp is imported here, when a model is built, so importing a generated file stays light.
+        """
+        from .tp import init_fused_parallel_plans
+
+        found = _generated_class(type(self))
+        plan = getattr(sys.modules.get(found[0].__module__), "TP_PLAN", None) if found is not None else None
+        init_fused_parallel_plans(self, plan)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
+        from .auto import save_pretrained as save_pretrained_canonically
+
+        return save_pretrained_canonically(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
+        """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
+        from .peft import load_adapter as load_adapter_packed
+
+        return load_adapter_packed(
+            self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs
+        )
+
+    def load_weights(self, weights):
+        """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model."""
+        from .loading import load_weights
+
+        return load_weights(self, weights)

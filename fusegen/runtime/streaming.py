@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.core_model_loading import Concatenate
 
+from .files import CheckpointError
+
 _MAPS = "/proc/self/maps"
 
 
@@ -168,8 +170,6 @@ def read_exactly(descriptor: int, offset: int, buffer: memoryview, *, path: str,
 
     `size` (the file's size, if the caller has it) lets a truncated file fail before any byte is read.
     """
-    from .loading import CheckpointError
-
     end = offset + len(buffer)
     if size is not None and end > size:
         raise CheckpointError(f"file holds {size} bytes, the tensor data runs to byte {end} (truncated?)", file=path)

@@ -4,8 +4,9 @@ Transformers treats a parameter the checkpoint did not fill as "missing": it log
 randomly and returns the model. For an ordinary parameter that is its documented behaviour (a new head to fine-tune).
 For a merged linear it is a silent wrong model: its pieces are in the checkpoint under other names, and the only way
 they are left out is a stacked mapping that did not reach them (a parent it does not scope, a piece that failed to
-convert). So the generated pretrained base calls `check_loading` from `_finalize_model_loading`, after the tensors are
-copied and before anything missing is initialised, and it raises `CheckpointError` naming the tensor.
+convert). So the generated pretrained base (through `FusedPreTrainedMixin`) calls `check_loading` from
+`_finalize_model_loading`, after the tensors are copied and before anything missing is initialised, and it raises
+`CheckpointError` naming the tensor.
 
 What is checked, on the live model (so it holds for whatever config the model was built with):
 
@@ -25,7 +26,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .loading import CheckpointError, _merged_modules, stacked_mapping
+from .files import CheckpointError
+from .merged import merged_modules, stacked_mapping
 
 
 def check_loading(model: torch.nn.Module, loading_info, where: object = None, stacked: Mapping | None = None) -> None:
@@ -41,7 +43,7 @@ def check_loading(model: torch.nn.Module, loading_info, where: object = None, st
     missing |= {entry[0] for entry in getattr(loading_info, "mismatched_keys", ()) or ()}
     unexpected = set(getattr(loading_info, "unexpected_keys", ()) or ())
     errors = dict(getattr(loading_info, "conversion_errors", {}) or {})
-    for path, module in _merged_modules(model).items():
+    for path, module in merged_modules(model).items():
         for leaf, tensor in module.named_parameters(recurse=False):
             name = f"{path}.{leaf}"
             if name in missing:

@@ -56,11 +56,23 @@ def source_sha256(module_name: str) -> str | None:
         return None
 
 
+_SOURCES: dict[str, str] = {}
+
+
+def source_module(generated: str) -> str | None:
+    """The modeling module the generated module named `generated` was built from (as it told `check_source`)."""
+    return _SOURCES.get(generated)
+
+
 def check_source(module_name: str, sha256: str, *, built_with: str, target: str, generated: str = "") -> None:
     """Raise `StaleGeneratedFile` unless `module_name`'s installed source has the given SHA-256.
 
     `built_with` is the Transformers version the file was generated from, `target` what to pass to `fusegen build`.
+    `generated` (the generated module's `__name__`) is remembered with `module_name` for `source_module`, which the
+    runtime uses to ask the original classes what Transformers would ask them (`FusedPreTrainedMixin`).
     """
+    if generated:
+        _SOURCES[generated] = module_name
     found = source_sha256(module_name)
     if found == sha256:
         return

@@ -1,0 +1,193 @@
+"""Step 2 of loading a checkpoint: match every checkpoint tensor to its destination in the model, before any copy.
+
+A destination is a whole parameter, or a row slice of a merged (`MergedColumnLinear`) parameter found through
+`output_sizes` and the generated file's `STACKED_PARAMS_MAPPING`. Missing, unexpected and wrongly shaped tensors fail
+here, all at once, so a bad checkpoint leaves the model untouched. The same destinations name the model's tensors
+canonically when saving (`fusegen/runtime/saving.py`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .files import CANONICAL, FUSED, Checkpoint, CheckpointError, TensorInfo
+from .merged import merged_modules, stacked_mapping
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where one checkpoint tensor goes: rows `[start, start + shape[0])` of `tensor`, or all of it when `whole`."""
+
+    param: str  # the model's state-dict name of the destination (first name, if tied)
+    tensor: torch.Tensor
+    start: int
+    shape: tuple[int, ...]
+    whole: bool
+
+    def view(self) -> torch.Tensor:
+        data = self.tensor.detach()
+        return data if self.whole else data.narrow(0, self.start, self.shape[0])
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Every checkpoint name a model accepts, and which names must be present (any one name of each group)."""
+
+    by_name: dict[str, Destination]
+    groups: tuple[tuple[str, ...], ...]
+
+
+def _pieces_for(path: str, module: torch.nn.Module, mapping: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The canonical names of a merged module's pieces, checked against its `output_sizes`."""
+    attribute = path.rpartition(".")[2]
+    pieces = mapping.get(attribute)
+    if pieces is None:
+        raise ValueError(
+            f"{path} is a merged linear but {attribute!r} is not in the stacked mapping {sorted(mapping)}; "
+            "pass stacked= or define STACKED_PARAMS_MAPPING in the model's module"
+        )
+    if len(pieces) != len(module.output_sizes):
+        raise ValueError(f"{path}: mapping lists {pieces} but output_sizes is {module.output_sizes}")
+    return pieces
+
+
+def _piece_destinations(
+    names: Sequence[str], tensor: torch.Tensor, pieces: Sequence[str], sizes: Sequence[int]
+) -> tuple[dict[str, Destination], list[tuple[str, ...]]]:
+    """Canonical names for each row block of a merged tensor (for every alias of it), and one group per block."""
+    by_name, groups, start = {}, [], 0
+    for piece, size in zip(pieces, sizes):
+        shape = (size, *tensor.shape[1:])
+        group = []
+        for name in names:
+            module_path, _, leaf = name.rpartition(".")
+            parent = module_path.rpartition(".")[0]
+            piece_name = f"{parent}.{piece}.{leaf}" if parent else f"{piece}.{leaf}"
+            by_name[piece_name] = Destination(names[0], tensor, start, shape, whole=False)
+            group.append(piece_name)
+        groups.append(tuple(group))
+        start += size
+    return by_name, groups
+
+
+def model_targets(model: torch.nn.Module, mapping: Mapping[str, tuple[str, ...]], layout: str) -> Targets:
+    """Map each name the checkpoint may use to its destination in `model`.
+
+    Tied tensors (the same Parameter under several state-dict names, e.g. `lm_head.weight` and
+    `model.embed_tokens.weight`) form one group: any one of their names satisfies it, the first name is preferred, so
+    a checkpoint that omits `lm_head.weight` (as Transformers saves tied models) is complete.
+    """
+    aliases: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    merged = merged_modules(model) if layout == CANONICAL else {}
+    by_name: dict[str, Destination] = {}
+    groups: list[tuple[str, ...]] = []
+    for key, names in aliases.items():
+        tensor = tensors[key]
+        module_path = names[0].rpartition(".")[0]
+        if module_path in merged:
+            module = merged[module_path]
+            pieces = _pieces_for(module_path, module, mapping)
+            piece_names, piece_groups = _piece_destinations(names, tensor, pieces, module.output_sizes)
+            by_name.update(piece_names)
+            groups.extend(piece_groups)
+        else:
+            for name in names:
+                by_name[name] = Destination(names[0], tensor, 0, tuple(tensor.shape), whole=True)
+            groups.append(tuple(names))
+    return Targets(by_name, tuple(groups))
+
+
+def _listing(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_stacked(model: torch.nn.Module, checkpoint: Checkpoint, mapping: Mapping[str, tuple[str, ...]]) -> None:
+    """A fused checkpoint's row order must be the model's: same total size with q/k/v swapped would load silently."""
+    if checkpoint.layout != FUSED or checkpoint.stacked is None:
+        return
+    for path in merged_modules(model):
+        attribute = path.rpartition(".")[2]
+        theirs = checkpoint.stacked.get(attribute)
+        if theirs is not None and tuple(theirs) != tuple(mapping.get(attribute, ())):
+            raise CheckpointError(
+                f"merged rows are {list(theirs)} in the checkpoint but {list(mapping.get(attribute, ()))} in the model",
+                file=checkpoint.files[0],
+                tensor=f"{path}.weight",
+            )
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One planned copy: checkpoint tensor `name` (described by `source`) into `destination`."""
+
+    name: str
+    source: TensorInfo
+    destination: Destination
+
+
+@dataclass(frozen=True)
+class Plan:
+    copies: tuple[Copy, ...]
+    unexpected: tuple[str, ...]
+
+
+def plan_load(
+    model: torch.nn.Module, checkpoint: Checkpoint, *, strict: bool = True, stacked: Mapping | None = None
+) -> Plan:
+    """Decide every copy, or raise: missing tensors (always), unexpected ones (if strict), wrong shapes, float vs int.
+
+    Non-strict mode only tolerates unexpected tensors (one warning lists them); a missing tensor always fails, since
+    it would leave part of the model at its random initialisation.
+    """
+    mapping = stacked_mapping(model, stacked)
+    targets = model_targets(model, mapping, checkpoint.layout)
+    _check_stacked(model, checkpoint, mapping)
+    missing = [group[0] for group in targets.groups if not any(name in checkpoint.infos for name in group)]
+    unexpected = sorted(set(checkpoint.infos) - set(targets.by_name))
+    if missing:
+        hint = f" (the checkpoint has unexpected {_listing(unexpected)}; wrong layout or model?)" if unexpected else ""
+        raise CheckpointError(
+            f"missing from the {checkpoint.layout} checkpoint: {_listing(missing)}{hint}",
+            file=checkpoint.where,
+            tensor=missing[0],
+        )
+    if unexpected:
+        described = _listing([f"{name} ({checkpoint.infos[name].file.name})" for name in unexpected])
+        if strict:
+            raise CheckpointError(
+                f"unexpected tensors not in the model: {described}", file=checkpoint.where, tensor=unexpected[0]
+            )
+        warnings.warn(f"{checkpoint.root}: ignoring {len(unexpected)} unexpected tensors: {described}", stacklevel=3)
+    copies = []
+    for group in targets.groups:
+        name = next(name for name in group if name in checkpoint.infos)
+        source, destination = checkpoint.infos[name], targets.by_name[name]
+        check_compatible(name, source, destination)
+        copies.append(Copy(name, source, destination))
+    return Plan(tuple(copies), tuple(unexpected))
+
+
+def check_compatible(name: str, source: TensorInfo, destination: Destination) -> None:
+    """Shapes must match exactly; dtypes may differ (copy_ converts) but not across float / non-float."""
+    if source.shape != destination.shape:
+        raise CheckpointError(
+            f"shape {list(source.shape)} in the checkpoint, {list(destination.shape)} expected by the model "
+            f"({destination.param})",
+            file=source.file,
+            tensor=name,
+        )
+    if source.dtype.is_floating_point != destination.tensor.is_floating_point():
+        raise CheckpointError(
+            f"dtype {source.dtype} in the checkpoint cannot fill {destination.tensor.dtype} ({destination.param})",
+            file=source.file,
+            tensor=name,
+        )
