@@ -30,6 +30,7 @@ from fusegen.compiler.propagate import (
 from fusegen.compiler.render import render
 from fusegen.compiler.resolve import Target, resolve
 from fusegen.compiler.rewrite_init import MERGED_LINEAR
+from fusegen.compiler.splice import class_text
 from fusegen.runtime.tp import fused_plan_from
 from fusegen.compiler.trace import record_inputs
 
@@ -186,7 +187,7 @@ def build(name: str, validate: bool = True, refused: dict[str, dict[str, str]] |
     used[REGISTER] = used[STREAM] = used[REGISTER_AUTO] = (None, "")
     if CHECK in used:
         used[CHECK] = (None, "")
-    sources = [ast.unparse(item.classdef) for item in emitted.values()]
+    sources = [class_text(name, item.classdef, item.module) for name, item in emitted.items()]
     plans = [plan for outcome in outcomes for plan in outcome.fused]
     text = render(
         fusegen_version=fusegen.__version__,
