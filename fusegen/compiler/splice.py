@@ -388,7 +388,13 @@ def _ends_line(source: Source, stmt: ast.stmt) -> bool:
 
 
 def _run(source, block, olds, news, after, indent) -> Edit | None:
-    """One edit replacing the run `olds` of `block` (whole lines) by `news`, or inserting `news` after `after`."""
+    """One edit replacing the run `olds` of `block` (whole lines) by `news`, or inserting `news` after `after`.
+
+    None when the run cannot be cut out as whole lines, or the block is not indented by four spaces a level
+    (generated text is nested that way); the enclosing statement is then replaced instead.
+    """
+    if indent != " " * len(indent) or len(indent) % 4:
+        return None
     if olds:
         if not (_starts_line(source, olds[0]) and _ends_line(source, olds[-1])):
             return None
