@@ -103,7 +103,9 @@ def test_an_added_method_is_black_formatted_after_a_blank_line(module):
     classdef = original(module)
     classdef.body.append(ast.parse("def load_weights(self, weights):\n    return stream(self,weights)").body[0])
     text = class_text("Block", classdef, module)
-    assert text.endswith("        return (y, Block)\n\n    def load_weights(self, weights):\n        return stream(self, weights)\n")
+    assert text.endswith(
+        "        return (y, Block)\n\n    def load_weights(self, weights):\n        return stream(self, weights)\n"
+    )
 
 
 def test_a_change_inside_an_elif_branch_keeps_the_chain(module):
@@ -124,13 +126,11 @@ def test_a_statement_sharing_its_line_is_replaced_with_its_parent(module, tmp_pa
     classdef = ast.parse(path.read_text()).body[0]
     classdef.body[0].body[0].body = ast.parse("return 3").body
     text = class_text("Block", classdef, loaded)
-    assert text == textwrap.dedent(
-        """\
+    assert text == textwrap.dedent("""\
         class Block:
             def f(self, x):
                 # why
                 if x:
                     return 3
                 return 2
-        """
-    )
+        """)

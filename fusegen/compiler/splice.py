@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import difflib
 import functools
 import inspect
 import io
@@ -131,7 +132,7 @@ def class_text(name: str, rewritten: ast.ClassDef | ast.Module, module: ModuleTy
     source, original = original_statement(module, name)
     new = rewritten.body if isinstance(rewritten, ast.Module) else [rewritten]
     start, end = first_line(original), original.end_lineno + 1
-    edits = _block(source, [original], new, "", region=(start, end))
+    edits = _block(source, [original], new, "")
     if edits is None:
         edits = [_replace(source, [original], new, "", start, end)]
     text = _apply(source, edits, source.line_offset(start), source.line_offset(end))
@@ -141,7 +142,9 @@ def class_text(name: str, rewritten: ast.ClassDef | ast.Module, module: ModuleTy
     except SyntaxError as error:
         raise SpliceError(f"spliced text of {name} does not parse: {error}") from error
     if parsed != expected:
-        raise SpliceError(f"spliced text of {name} does not parse to the rewritten class:\n{_first_difference(text, new)}")
+        raise SpliceError(
+            f"spliced text of {name} does not parse to the rewritten class:\n{_first_difference(text, new)}"
+        )
     return text
 
 
@@ -159,8 +162,6 @@ def _dump(stmt: ast.stmt) -> str:
 
 def _first_difference(text: str, new: list[ast.stmt]) -> str:
     """Where the spliced text's unparse first differs from the rewritten AST's (for the error message)."""
-    import difflib
-
     got = ast.unparse(ast.parse(text)).splitlines()
     want = ast.unparse(ast.Module(new, [])).splitlines()
     return "\n".join(list(difflib.unified_diff(want, got, "rewritten", "spliced", lineterm=""))[:40])
@@ -190,7 +191,9 @@ def _shape(node, skip: tuple[str, ...] = ()) -> object:
         if field in skip:
             continue
         value = getattr(node, field, None)
-        renameable = (isinstance(node, ast.Name) and field == "id") or (isinstance(node, ast.ClassDef) and field == "name")
+        renameable = (isinstance(node, ast.Name) and field == "id") or (
+            isinstance(node, ast.ClassDef) and field == "name"
+        )
         if renameable or (isinstance(node, ast.Constant) and isinstance(value, str)):
             value = "*"
         fields.append((field, _shape(value)))
@@ -232,7 +235,9 @@ def _leaf_edits(source: Source, old, new, skip: tuple[str, ...] = ()) -> list[Ed
             edit = _name_edit(source, old, b)
         elif isinstance(old, ast.ClassDef) and field == "name" and a != b:
             edit = _class_name_edit(source, old, b)
-        elif isinstance(old, ast.Constant) and field == "value" and isinstance(a, str) and isinstance(b, str) and a != b:
+        elif (
+            isinstance(old, ast.Constant) and field == "value" and isinstance(a, str) and isinstance(b, str) and a != b
+        ):
             edit = _string_edit(source, old, b)
         else:
             found = _leaf_edits(source, a, b)
@@ -280,14 +285,12 @@ def _string_edit(source: Source, node: ast.Constant, new: str) -> Edit | None:
 # --- splicing blocks ---------------------------------------------------------------------------------
 
 
-def _block(source: Source, old: list[ast.stmt], new: list[ast.stmt], indent: str, region=None) -> list[Edit] | None:
+def _block(source: Source, old: list[ast.stmt], new: list[ast.stmt], indent: str) -> list[Edit] | None:
     """Edits turning the statement list `old` (original, with positions) into `new`; None if it cannot be spliced.
 
     Statements are paired by shape (names and strings blanked), then, among the rest, compound statements
     by header; what stays unpaired is replaced in runs.
     """
-    import difflib
-
     edits: list[Edit] = []
     previous: ast.stmt | None = None  # the last original statement handled, for insertions after it
     runs: list[tuple[list[ast.stmt], list[ast.stmt], ast.stmt | None]] = []
