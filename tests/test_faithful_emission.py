@@ -5,7 +5,8 @@ header names (its own source file, parsed here, not by fusegen), and:
 
 - every comment of the original class is in the generated class (as a multiset of comment texts);
 - of the original's *untouched* lines, at least 98% are byte-identical in the generated class, apart from
-  the renamed class names (`LlamaMLP` -> `FusedLlamaMLP`).
+  the renamed class names (`LlamaMLP` -> `FusedLlamaMLP`);
+- between two untouched statements that are still neighbours, the number of blank lines is the original's.
 
 "Untouched" is computed here from the two files alone, independently of the splicer's bookkeeping: a
 statement is untouched when the generated class holds a statement with the same AST once the class names
@@ -65,21 +66,27 @@ def _renamed_dump(node: ast.AST, renames: dict[str, str], header_only: bool) -> 
 
 
 def _units(node: ast.AST, lines: list[str], renames: dict[str, str]):
-    """(key, lines) per statement under `node`: a simple statement with all its lines, a compound one with its
-    header lines (up to its first block, blank and comment-only lines left out)."""
+    """(key, lines, statement, next statement in its block) per statement under `node`: a simple statement with
+    all its lines, a compound one with its header lines (up to its first block, blank and comment-only lines
+    left out)."""
     for field in BLOCKS:
-        for child in getattr(node, field, None) or []:
-            if not isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
-                continue
+        block = [c for c in getattr(node, field, None) or [] if isinstance(c, (ast.stmt, ast.excepthandler))]
+        for child, following in zip(block, [*block[1:], None]):
             blocks = [getattr(child, f) for f in BLOCKS if getattr(child, f, None)]
             if blocks:
                 end = min(_first_line(block[0]) for block in blocks if hasattr(block[0], "lineno"))
                 span = [line for line in lines[_first_line(child) - 1 : end - 1] if line.strip()]
                 span = [line for line in span if not line.lstrip().startswith("#")]
-                yield _renamed_dump(child, renames, header_only=True), span
+                yield _renamed_dump(child, renames, header_only=True), span, child, following
                 yield from _units(child, lines, renames)
             else:
-                yield _renamed_dump(child, renames, header_only=False), lines[child.lineno - 1 : child.end_lineno]
+                span = lines[child.lineno - 1 : child.end_lineno]
+                yield _renamed_dump(child, renames, header_only=False), span, child, following
+
+
+def _blank_lines(lines: list[str], before: ast.AST, after: ast.AST) -> int:
+    """Blank lines between two consecutive statements."""
+    return sum(not line.strip() for line in lines[before.end_lineno : _first_line(after) - 1])
 
 
 def _renamed_lines(span: list[str], renames: dict[str, str]) -> list[str]:
@@ -123,6 +130,7 @@ def faithfulness(path: Path) -> dict:
     renames = {name.removeprefix("Fused"): name for name in generated}
     lines = text.splitlines(keepends=True)
     figures = {"classes": 0, "comments": 0, "lost": [], "untouched": 0, "identical": 0, "different": []}
+    figures.update(gaps=0, gaps_changed=[])
     for fused, classdef in generated.items():
         original_text, original = _original_class(module, fused.removeprefix("Fused"))
         original_lines = original_text.splitlines(keepends=True)
@@ -131,18 +139,30 @@ def faithfulness(path: Path) -> dict:
         kept = collections.Counter(_comments(text, _first_line(classdef), classdef.end_lineno))
         figures["comments"] += len(comments)
         figures["lost"] += [f"{fused}: {c}" for c in (collections.Counter(comments) - kept).elements()]
-        twins: dict[str, list[list[str]]] = collections.defaultdict(list)
-        for key, span in _units(ast.Module([classdef], []), lines, {}):
-            twins[key].append(span)
-        for key, span in _units(ast.Module([original], []), original_lines, renames):
+        twins: dict[str, list[tuple]] = collections.defaultdict(list)
+        for key, span, node, following in _units(ast.Module([classdef], []), lines, {}):
+            twins[key].append((span, node, following))
+        matched: dict[int, tuple] = {}
+        originals = list(_units(ast.Module([original], []), original_lines, renames))
+        for key, span, node, _ in originals:
             if not twins.get(key):
                 continue  # the rewrite changed this statement
             twin = twins[key].pop(0)
+            matched[id(node)] = twin
             figures["untouched"] += len(span)
-            same = sum(a == b for a, b in zip(_renamed_lines(span, renames), twin))
+            same = sum(a == b for a, b in zip(_renamed_lines(span, renames), twin[0]))
             figures["identical"] += same
             if same < len(span):
                 figures["different"].append(f"{fused}: {span[0].strip()[:80]}")
+        for _, _, node, following in originals:
+            # the blank lines between two untouched statements that stay neighbours
+            if following is None or id(node) not in matched or id(following) not in matched:
+                continue
+            (_, twin, twin_following), (_, twin_next, _) = matched[id(node)], matched[id(following)]
+            if twin_following is twin_next:
+                figures["gaps"] += 1
+                if _blank_lines(original_lines, node, following) != _blank_lines(lines, twin, twin_next):
+                    figures["gaps_changed"].append(f"{fused}: after line {node.end_lineno} of the original")
     return figures
 
 
@@ -153,11 +173,13 @@ def test_generated_classes_keep_the_original_source(path):
     print(
         f"{path.stem}: {figures['classes']} classes, {figures['comments'] - len(figures['lost'])}/"
         f"{figures['comments']} comments kept, {figures['identical']}/{figures['untouched']} untouched lines "
-        f"byte-identical ({share:.1%})"
+        f"byte-identical ({share:.1%}), {figures['gaps'] - len(figures['gaps_changed'])}/{figures['gaps']} "
+        "blank-line gaps between untouched statements kept"
     )
     assert figures["classes"] and figures["untouched"], f"{path.name}: no generated class to compare"
     assert not figures["lost"], f"comments lost in {path.name}: {figures['lost']}"
     assert share >= REQUIRED, f"{path.name}: {share:.1%} untouched lines verbatim; differing: {figures['different']}"
+    assert not figures["gaps_changed"], f"{path.name}: blank lines changed: {figures['gaps_changed']}"
 
 
 def test_the_issue_s_six_files_are_checked():
