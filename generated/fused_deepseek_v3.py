@@ -78,7 +78,6 @@ TP_PLAN = {
 
 
 class FusedDeepseekV3MLP(nn.Module):
-
     def __init__(self, config, intermediate_size=None):
         super().__init__()
         self.config = config
@@ -122,15 +121,17 @@ class FusedDeepseekV3MoE(nn.Module):
 
 
 class FusedDeepseekV3DecoderLayer(GradientCheckpointingLayer):
-
     def __init__(self, config: DeepseekV3Config, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
+
         self.self_attn = DeepseekV3Attention(config=config, layer_idx=layer_idx)
+
         if layer_idx >= config.first_k_dense_replace:
             self.mlp = FusedDeepseekV3MoE(config)
         else:
             self.mlp = FusedDeepseekV3MLP(config)
+
         self.input_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -147,6 +148,7 @@ class FusedDeepseekV3DecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
+        # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
@@ -157,6 +159,8 @@ class FusedDeepseekV3DecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         hidden_states = residual + hidden_states
+
+        # Fully Connected
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
@@ -173,6 +177,7 @@ class FusedDeepseekV3PreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
+
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {
@@ -181,7 +186,7 @@ class FusedDeepseekV3PreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):
         "router_logits": OutputRecorder(DeepseekV3TopkRouter, index=0),
     }
     _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight"]
-    _keys_to_ignore_on_load_unexpected = ["model\\.layers\\.61.*"]
+    _keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*"]
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -195,7 +200,6 @@ class FusedDeepseekV3PreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):
 
 @auto_docstring
 class FusedDeepseekV3Model(FusedDeepseekV3PreTrainedModel):
-
     def __init__(self, config: DeepseekV3Config):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -207,6 +211,8 @@ class FusedDeepseekV3Model(FusedDeepseekV3PreTrainedModel):
         self.norm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DeepseekV3RotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+
+        # Initialize weights and apply final processing
         self.post_init()
 
     @merge_with_config_defaults
@@ -225,23 +231,31 @@ class FusedDeepseekV3Model(FusedDeepseekV3PreTrainedModel):
     ) -> MoeModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
-        causal_mask = create_causal_mask(
+
+        causal_mask = create_causal_mask(  # diff with mixtral: no sliding
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             cache=cache,
             position_ids=position_ids,
         )
+
         hidden_states = inputs_embeds
+
+        # create position embeddings to be shared across the decoder layers
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
@@ -252,8 +266,13 @@ class FusedDeepseekV3Model(FusedDeepseekV3PreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
+
         hidden_states = self.norm(hidden_states)
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+        return MoeModelOutputWithPast(  # only diff with Mistral is the output type, we need MoE
+            last_hidden_state=hidden_states,
+            cache=cache,
+        )
 
 
 @auto_docstring
@@ -268,6 +287,8 @@ class FusedDeepseekV3ForCausalLM(FusedDeepseekV3PreTrainedModel, GenerationMixin
         self.model = FusedDeepseekV3Model(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        # Initialize weights and apply final processing
         self.post_init()
 
     @can_return_tuple
@@ -285,7 +306,7 @@ class FusedDeepseekV3ForCausalLM(FusedDeepseekV3PreTrainedModel, GenerationMixin
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeCausalLMOutputWithPast:
-        """
+        r"""
         Example:
 
         ```python
@@ -300,7 +321,7 @@ class FusedDeepseekV3ForCausalLM(FusedDeepseekV3PreTrainedModel, GenerationMixin
         >>> # Generate
         >>> generate_ids = model.generate(inputs.input_ids, max_length=30)
         >>> tokenizer.batch_decode(generate_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
-        "Hey, are you conscious? Can you talk to me?\\nI'm not conscious, but I can talk to you."
+        "Hey, are you conscious? Can you talk to me?\nI'm not conscious, but I can talk to you."
         ```"""
         outputs: MoeModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -311,12 +332,16 @@ class FusedDeepseekV3ForCausalLM(FusedDeepseekV3PreTrainedModel, GenerationMixin
             use_cache=use_cache,
             **kwargs,
         )
+
         hidden_states = outputs.last_hidden_state
+        # Only compute necessary logits, and do not upcast them to float if we are not computing the loss
         hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         logits = self.lm_head(hidden_states)
+
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
         return MoeCausalLMOutputWithPast(
             loss=loss,
             logits=logits,

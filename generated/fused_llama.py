@@ -78,7 +78,6 @@ TP_PLAN = {
 
 
 class FusedLlamaMLP(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -107,9 +106,10 @@ class FusedLlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim ** (-0.5)
+        self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
+
         self.qkv_proj = MergedColumnLinear(
             config.hidden_size,
             [
@@ -135,17 +135,22 @@ class FusedLlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+
         q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(self.qkv_proj_sizes, dim=-1)
         query_states = q_proj_out.view(hidden_shape).transpose(1, 2)
         key_states = k_proj_out.view(hidden_shape).transpose(1, 2)
         value_states = v_proj_out.view(hidden_shape).transpose(1, 2)
+
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -156,17 +161,19 @@ class FusedLlamaAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
+
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
-        return (attn_output, attn_weights)
+        return attn_output, attn_weights
 
 
 class FusedLlamaDecoderLayer(GradientCheckpointingLayer):
-
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
+
         self.self_attn = FusedLlamaAttention(config=config, layer_idx=layer_idx)
+
         self.mlp = FusedLlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -184,6 +191,7 @@ class FusedLlamaDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
+        # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
@@ -194,6 +202,8 @@ class FusedLlamaDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         hidden_states = residual + hidden_states
+
+        # Fully Connected
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
@@ -210,18 +220,22 @@ class FusedLlamaPreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
+
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    _can_record_outputs = {"hidden_states": FusedLlamaDecoderLayer, "attentions": FusedLlamaAttention}
+    _can_record_outputs = {
+        "hidden_states": FusedLlamaDecoderLayer,
+        "attentions": FusedLlamaAttention,
+    }
 
 
 @auto_docstring
 class FusedLlamaModel(FusedLlamaPreTrainedModel):
-
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
+
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(
             [FusedLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
@@ -229,6 +243,8 @@ class FusedLlamaModel(FusedLlamaPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+
+        # Initialize weights and apply final processing
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -247,14 +263,18 @@ class FusedLlamaModel(FusedLlamaPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
+
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -262,8 +282,10 @@ class FusedLlamaModel(FusedLlamaPreTrainedModel):
             cache=cache,
             position_ids=position_ids,
         )
+
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
@@ -274,8 +296,12 @@ class FusedLlamaModel(FusedLlamaPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
+
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            cache=cache,
+        )
 
 
 @auto_docstring
@@ -290,6 +316,8 @@ class FusedLlamaForCausalLM(FusedLlamaPreTrainedModel, GenerationMixin):
         self.model = FusedLlamaModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        # Initialize weights and apply final processing
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -307,7 +335,7 @@ class FusedLlamaForCausalLM(FusedLlamaPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        """
+        r"""
         Example:
 
         ```python
@@ -322,7 +350,7 @@ class FusedLlamaForCausalLM(FusedLlamaPreTrainedModel, GenerationMixin):
         >>> # Generate
         >>> generate_ids = model.generate(inputs.input_ids, max_length=30)
         >>> tokenizer.batch_decode(generate_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
-        "Hey, are you conscious? Can you talk to me?\\nI'm not conscious, but I can talk to you."
+        "Hey, are you conscious? Can you talk to me?\nI'm not conscious, but I can talk to you."
         ```"""
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -333,12 +361,15 @@ class FusedLlamaForCausalLM(FusedLlamaPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
+
         hidden_states = outputs.last_hidden_state
         hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         logits = self.lm_head(hidden_states)
+
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,

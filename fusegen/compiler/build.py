@@ -34,6 +34,7 @@ from fusegen.compiler.reachable import refuse_unreachable
 from fusegen.compiler.render import render
 from fusegen.compiler.resolve import Target, resolve
 from fusegen.compiler.scopes import parents
+from fusegen.compiler.splice import class_text
 from fusegen.compiler.trace import record_inputs
 
 
@@ -131,7 +132,7 @@ def render_module(analysis: Analysis, emission: Emission) -> str:
     """Stage 7: the generated module's text, from the template."""
     target, model, outcomes = analysis.target, analysis.model, analysis.outcomes
     renames, plans = emission.renames, emission.plans
-    sources = [ast.unparse(item.classdef) for item in emission.emitted.values()]
+    sources = [class_text(name, item.classdef, item.module) for name, item in emission.emitted.items()]
     return render(
         fusegen_version=fusegen.__version__,
         transformers_version=transformers.__version__,

@@ -1,19 +1,20 @@
-"""`fusegen diff`: what the compiler changed in each fused class, as a unified diff.
+"""`fusegen diff`: what the compiler changed in each fused class, as a unified diff against the real source.
 
-The original class is put through the same formatting as the generated one
-(parsed, unparsed, black), so the diff shows what changed in the code (the
-merged projections, the split, the renamed references), not comments or
-line wrapping.
+The left side is the class exactly as Transformers' file has it (decorators, comments and blank lines
+included, read through linecache like the interpreter does); the right side is the class as the generated
+file has it. Generated classes are spliced from that very text (`fusegen.compiler.splice`), so the diff
+shows only what fusion changed (the merged projections, the split) and the renamed class names, plus a
+comment moved above a statement it sat in when that statement was replaced.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
+import sys
 
-from fusegen.compiler import astutil
 from fusegen.compiler.propagate import fused_name
-from fusegen.compiler.render import format_source
+from fusegen.compiler.splice import original_text
 
 
 def class_diffs(result) -> list[str]:
@@ -22,7 +23,7 @@ def class_diffs(result) -> list[str]:
     lines = result.text.splitlines(keepends=True)
     diffs = []
     for cls in result.fused_classes:
-        original = format_source(ast.unparse(astutil.parse_class(cls)))
+        original = original_text(sys.modules[cls.__module__], cls.__name__)
         fused = _class_source(generated, lines, fused_name(cls.__name__))
         diffs.append(
             "".join(

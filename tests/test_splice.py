@@ -1,0 +1,136 @@
+"""fusegen.compiler.splice on small hand-written classes: what is kept, what is replaced, where comments go."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+import textwrap
+
+import pytest
+
+from fusegen.compiler.render import format_source
+from fusegen.compiler.splice import class_text, original_text
+
+SOURCE = '''\
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    r"""A block.   Odd  spacing\\n kept."""
+
+    _no_split_modules = ["Block"]  # a trailing comment
+
+    def __init__(self, config):
+        super().__init__()
+
+        # the projections
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)  # query
+        self.k_proj = nn.Linear(
+            config.hidden_size,  # a comment inside a statement
+            config.hidden_size,
+        )
+        self.scaling = config.head_dim ** (-0.5)
+
+
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x):
+        if x is None:
+            return (x, x)
+        elif x.dim() == 2:
+            y = self.q_proj(x)
+        else:
+            y = self.k_proj(x)
+        return (y, Block)
+'''
+
+
+@pytest.fixture
+def module(tmp_path):
+    path = tmp_path / "splice_sample.py"
+    path.write_text(SOURCE)
+    spec = importlib.util.spec_from_file_location(f"splice_sample_{id(tmp_path)}", path)
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = loaded
+    spec.loader.exec_module(loaded)
+    yield loaded
+    del sys.modules[spec.name]
+
+
+def original(module) -> ast.ClassDef:
+    return ast.parse(original_text(module, "Block")).body[0]
+
+
+def test_an_unchanged_class_is_its_original_text(module):
+    assert class_text("Block", original(module), module) == original_text(module, "Block")
+    assert "** (-0.5)" in original_text(module, "Block")  # not normalised as ast.unparse would
+
+
+def test_renames_are_token_edits_and_the_rest_stays_byte_identical(module):
+    classdef = original(module)
+    for node in ast.walk(classdef):
+        if isinstance(node, ast.Name) and node.id == "Block":
+            node.id = "FusedBlock"
+        if isinstance(node, ast.Constant) and node.value == "Block":
+            node.value = "FusedBlock"
+    classdef.name = "FusedBlock"
+    expected = original_text(module, "Block").replace("class Block", "class FusedBlock")
+    expected = expected.replace('["Block"]', '["FusedBlock"]').replace("(y, Block)", "(y, FusedBlock)")
+    assert class_text("Block", classdef, module) == expected
+
+
+def test_a_replaced_statement_keeps_its_comments_on_their_own_lines_before_it(module):
+    classdef = original(module)
+    init = classdef.body[2]
+    replacement = ast.parse("self.qk_proj = Merged(config.hidden_size, [config.hidden_size, config.hidden_size])")
+    init.body[1:3] = replacement.body  # q_proj and k_proj become one statement
+    text = class_text("Block", classdef, module)
+    assert (
+        "        # the projections\n"
+        "        # query\n"
+        "        # a comment inside a statement\n"
+        "        self.qk_proj = Merged(config.hidden_size, [config.hidden_size, config.hidden_size])\n"
+        "        self.scaling = config.head_dim ** (-0.5)\n"
+        "\n\n"
+        "        self.o_proj"
+    ) in text
+    assert format_source(text) == format_source(format_source(text))
+
+
+def test_an_added_method_is_black_formatted_after_a_blank_line(module):
+    classdef = original(module)
+    classdef.body.append(ast.parse("def load_weights(self, weights):\n    return stream(self,weights)").body[0])
+    text = class_text("Block", classdef, module)
+    assert text.endswith(
+        "        return (y, Block)\n\n    def load_weights(self, weights):\n        return stream(self, weights)\n"
+    )
+
+
+def test_a_change_inside_an_elif_branch_keeps_the_chain(module):
+    classdef = original(module)
+    forward = classdef.body[3]
+    forward.body[0].orelse[0].body = ast.parse("y = self.qk_proj(x)").body
+    text = class_text("Block", classdef, module)
+    assert "        elif x.dim() == 2:\n            y = self.qk_proj(x)\n        else:\n" in text
+    assert "            return (x, x)\n" in text
+
+
+def test_a_statement_sharing_its_line_is_replaced_with_its_parent(module, tmp_path):
+    path = tmp_path / "one_line.py"
+    path.write_text("class Block:\n    def f(self, x):\n        if x: return 1  # why\n        return 2\n")
+    spec = importlib.util.spec_from_file_location("splice_one_line", path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    classdef = ast.parse(path.read_text()).body[0]
+    classdef.body[0].body[0].body = ast.parse("return 3").body
+    text = class_text("Block", classdef, loaded)
+    assert text == textwrap.dedent("""\
+        class Block:
+            def f(self, x):
+                # why
+                if x:
+                    return 3
+                return 2
+        """)
