@@ -134,3 +134,12 @@ def test_a_statement_sharing_its_line_is_replaced_with_its_parent(module, tmp_pa
                     return 3
                 return 2
         """)
+
+
+def test_an_added_leading_base_is_one_insertion_and_the_body_stays_byte_identical(module):
+    classdef = original(module)
+    classdef.bases.insert(0, ast.Name("FusedPreTrainedMixin", ast.Load()))
+    expected = original_text(module, "Block").replace(
+        "class Block(nn.Module)", "class Block(FusedPreTrainedMixin, nn.Module)"
+    )
+    assert class_text("Block", classdef, module) == expected

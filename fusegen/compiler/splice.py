@@ -132,9 +132,11 @@ def class_text(name: str, rewritten: ast.ClassDef | ast.Module, module: ModuleTy
     source, original = original_statement(module, name)
     new = rewritten.body if isinstance(rewritten, ast.Module) else [rewritten]
     start, end = first_line(original), original.end_lineno + 1
-    edits = _block(source, [original], new, "")
+    header, against = _added_bases(source, original, new)
+    edits = _block(source, [original], against, "")
     if edits is None:
-        edits = [_replace(source, [original], new, "", start, end)]
+        header, edits = [], [_replace(source, [original], new, "", start, end)]
+    edits += header
     text = _apply(source, edits, source.line_offset(start), source.line_offset(end))
     expected = [_dump(stmt) for stmt in new]
     try:
@@ -146,6 +148,25 @@ def class_text(name: str, rewritten: ast.ClassDef | ast.Module, module: ModuleTy
             f"spliced text of {name} does not parse to the rewritten class:\n{_first_difference(text, new)}"
         )
     return text
+
+
+def _added_bases(source: Source, original: ast.stmt, new: list[ast.stmt]) -> tuple[list[Edit], list[ast.stmt]]:
+    """A class the build gives extra leading bases (the runtime mixin of a pretrained base): one insertion before
+    its first original base, and the rewritten class without those bases to splice the rest against.
+
+    Without this the changed header would make the whole class one replaced statement, losing its layout.
+    The final re-parse in `class_text` still checks the result against the full rewritten class.
+    """
+    if len(new) != 1 or not isinstance(original, ast.ClassDef) or not isinstance(new[0], ast.ClassDef):
+        return [], new
+    extra = len(new[0].bases) - len(original.bases)
+    if extra <= 0 or not original.bases:
+        return [], new
+    trimmed = copy.copy(new[0])
+    trimmed.bases = new[0].bases[extra:]
+    first = original.bases[0]
+    at = source.offset(first.lineno, first.col_offset)
+    return [Edit(at, at, "".join(f"{ast.unparse(base)}, " for base in new[0].bases[:extra]))], [trimmed]
 
 
 def _dump(stmt: ast.stmt) -> str:
