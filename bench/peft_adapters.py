@@ -16,16 +16,10 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from generated.fused_llama import FusedLlamaForCausalLM
-from generated.fused_qwen2 import FusedQwen2ForCausalLM
+from fusegen.testkit import MODELS, model_classes
 
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
-}
 TINY = {
     "vocab_size": 128,
     "hidden_size": 64,
@@ -109,7 +103,8 @@ def main():
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
-        for model_type, (config_class, original_class, fused_class) in MODELS.items():
+        for model_type in MODELS:
+            config_class, original_class, fused_class = model_classes(model_type)
             torch.manual_seed(0)
             base = original_class(config_class(**TINY))
             with torch.no_grad():

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fusegen.cli import main
 from fusegen.errors import EXIT_ERROR, EXIT_INTERNAL, command
-from tests.conftest import random_model, tiny_config
+from fusegen.testkit import random_model, small_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "generated"
@@ -84,7 +84,7 @@ DAMAGES = {
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     path = tmp_path_factory.mktemp("good") / "ckpt"
-    random_model(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2)).save_pretrained(path)
+    random_model(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2)).save_pretrained(path)
     return path
 
 

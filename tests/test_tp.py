@@ -10,7 +10,6 @@ Measured numbers (logit differences, bytes read and peak RSS per rank) are print
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import socket
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig
 
 from fusegen.runtime.tp import (
     LOCAL_HEADS,
@@ -34,17 +33,12 @@ from fusegen.runtime.tp import (
     fused_plan_from,
     partition_rows,
 )
+from fusegen.testkit import TOLERANCE, model_classes, random_model, small_config
 from generated.fused_llama import STACKED_PARAMS_MAPPING, TP_PLAN, FusedLlamaForCausalLM
-from tests.conftest import random_model, tiny_config
 
 LAUNCH_TIMEOUT = 300  # seconds for one multi-process launch, interpreter start-up included (2 shared CPU cores)
 GROUP_TIMEOUT = 60  # seconds gloo waits on a collective before failing
-TOLERANCE = 1e-5
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, "FusedLlamaForCausalLM"),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, "FusedQwen2ForCausalLM"),
-}
-# name -> (model type, config overrides, how the case runs). Heads are 4 unless overridden (tests/conftest.py TINY).
+# name -> (model type, config overrides, how the case runs). Heads are 4 unless overridden (fusegen/testkit.py SMALL).
 CASES = {
     2: {
         "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),
@@ -113,9 +107,8 @@ def _counting_reads():
 
 
 def _classes(model_type):
-    _, original_class, fused_name = MODELS[model_type]
-    module = importlib.import_module(f"generated.fused_{model_type}")
-    return original_class, getattr(module, fused_name)
+    _, original_class, fused_class = model_classes(model_type)
+    return original_class, fused_class
 
 
 def _compare(model_type, path, how):
@@ -328,9 +321,9 @@ def _checkpoints(root: Path, cases: dict) -> dict:
     """Save one random original-class checkpoint per case; the cases as the workers take them."""
     prepared = {}
     for name, (model_type, overrides, how) in cases.items():
-        config_class, original_class, _ = MODELS[model_type]
+        config_class, original_class, _ = model_classes(model_type)
         path = root / name
-        random_model(original_class, tiny_config(config_class, **overrides)).save_pretrained(path)
+        random_model(original_class, small_config(config_class, **overrides)).save_pretrained(path)
         prepared[name] = (model_type, str(path), how)
     return prepared
 
@@ -507,7 +500,7 @@ def test_plan_is_refused_for_pieces_that_are_not_colwise():
 
 
 def test_built_model_plan_names_only_modules_it_has():
-    model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+    model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
     names = {name for name, _ in model.named_modules()}
     for rule in model.tp_plan:
         assert rule.replace("*", "0") in names, rule
@@ -526,7 +519,7 @@ def _split(model, tensor):
 
 def test_saving_splits_the_gathered_merged_tensor_into_q_k_v():
     # full_tensor() of a MergedRowShard parameter is the true [q; k; v], whatever the rank's local blocks.
-    model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+    model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
     qkv = model.model.layers[0].self_attn.qkv_proj
     q, k, v = torch.randn(64, 3), torch.randn(32, 3), torch.randn(32, 3)
     qkv.tp_partition = RowPartition((64, 32, 32), (0, 0, 0), (32, 16, 16), 2, 0)
@@ -543,7 +536,7 @@ def test_unblock_reorders_rank_blocks_into_pieces():
 
 
 def test_saving_refuses_replicated_kv_heads():
-    model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=1))
+    model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=1))
     qkv = model.model.layers[0].self_attn.qkv_proj
     qkv.tp_partition = RowPartition((64, 16, 16), (0, 0, 0), (32, 16, 16), 2, 0)
     with pytest.raises(ValueError, match="replicated"):
