@@ -125,8 +125,10 @@ def tiny_config(target, **overrides):
 # --- the initialisation policy ---------------------------------------------------------------------------------------
 
 
-def randomise(model: torch.nn.Module) -> torch.nn.Module:
+def randomise(model: torch.nn.Module, select=None) -> torch.nn.Module:
     """Draw every floating-point parameter of `model` afresh, in place, from the global RNG; returns `model`.
+    `select(name)` limits it to some parameters (an adapter's `lora_` tensors, say; PEFT starts B at zero, which
+    would hide a dropped or misplaced tensor).
 
     Matrices from N(0, 1/fan_in), vectors (norm weights, biases) from N(0, 1). Every tensor is drawn, biases and
     norms too, so a mis-sliced bias or a norm applied to the wrong piece shows. The scale keeps activations and
@@ -135,8 +137,8 @@ def randomise(model: torch.nn.Module) -> torch.nn.Module:
     1e-5, and a check at 1e-5 then passes what it should catch; larger ones saturate softmaxes and blow rounding up.
     """
     with torch.no_grad():
-        for parameter in model.parameters():
-            if not parameter.is_floating_point():
+        for name, parameter in model.named_parameters():
+            if not parameter.is_floating_point() or (select is not None and not select(name)):
                 continue
             fan_in = parameter[0].numel() if parameter.dim() > 1 else 1
             parameter.normal_(0.0, fan_in**-0.5)

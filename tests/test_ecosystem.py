@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from fusegen.runtime import AdapterError
-from fusegen.testkit import MODELS, TOLERANCE, model_classes, random_model, small_config
+from fusegen.testkit import MODELS, TOLERANCE, model_classes, random_model, randomise, small_config
 from generated.fused_llama import FusedLlamaForCausalLM
 from tests.test_hazards import QKV, RETURN, case_path, outcome, write_case  # noqa: F401 (case_path is a fixture)
 
@@ -36,11 +36,7 @@ def _base(checkpoint, model_type):
 def _random_lora(model):
     """Non-zero A and B everywhere (PEFT starts B at zero, which would hide a dropped or mis-placed tensor)."""
     torch.manual_seed(5)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.normal_(0, 0.3)
-    return model
+    return randomise(model, lambda name: "lora_" in name)
 
 
 def _adapter(tmp_path, original_class, path, **lora):
