@@ -42,6 +42,7 @@ __all__ = [
     "save_random",
     "small_config",
     "tiny_config",
+    "toy_source",
 ]
 
 SEED = 0
@@ -207,3 +208,118 @@ def load_pair(path: Path, **kwargs):
 def max_diff(expected: torch.Tensor, actual: torch.Tensor) -> float:
     """Max |expected - actual| as a float (what every equivalence assertion holds to `TOLERANCE`)."""
     return (expected.float() - actual.float()).abs().max().item()
+
+
+# --- toy models ------------------------------------------------------------------------------------------------------
+
+
+def toy_source(model_type: str, init: str, forward: str, extra: str = "", layer: str = "") -> str:
+    """The source of a toy causal LM (config, `ToyBlock` with q/k/v projections, layer, model, head) written as a
+    module of its own, so it compiles through the same path as a Transformers model type (`fusegen build
+    <dotted path>`): `init` is the block's extra `__init__` lines, `forward` its forward body, `extra` goes at module
+    level (helpers, subclasses, global hooks), `layer` into `ToyLayer.__init__` after the block is built (hooks,
+    replacements). The hazard tests and the fuzzer (`fusegen.tools.fuzz`) write their cases with it."""
+    source = TOY_MODULE.replace("{model_type}", model_type).replace("{init}", init.rstrip("\n") or "        pass")
+    source = source.replace("{extra}", extra.rstrip("\n")).replace("{layer}", layer.rstrip("\n"))
+    return source.replace("{forward}", forward.rstrip("\n"))
+
+
+TOY_MODULE = """
+import inspect
+import operator
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+
+def apply(module, x):
+    return module(x)
+
+
+def scale_in_place(x):
+    x.mul_(2)
+    return x
+
+
+class Mutator(nn.Module):
+    def forward(self, x):
+        x.add_(1)
+        return x
+
+
+{extra}
+
+
+class ToyConfig(PretrainedConfig):
+    model_type = "{model_type}"
+
+    def __init__(self, vocab_size=32, hidden_size=16, num_hidden_layers=2, flag=True, **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.flag = flag
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.flag = config.flag
+        self.hidden_size = config.hidden_size
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size // 2, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size // 2, bias=False)
+{init}
+
+    def forward(self, x):
+{forward}
+
+
+    def reset_state(self):
+        self.state.zero_()
+
+
+class ToyPreTrainedModel(PreTrainedModel):
+    config_class = ToyConfig
+    base_model_prefix = "model"
+
+
+class ToyLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.block = ToyBlock(config)
+{layer}
+
+    def forward(self, x):
+        return x + self.block(x)
+
+
+class ToyModel(ToyPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([ToyLayer(config) for _ in range(config.num_hidden_layers)])
+        self.post_init()
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return hidden
+
+
+class ToyForCausalLM(ToyPreTrainedModel, GenerationMixin):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = ToyModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids, **kwargs):
+        return CausalLMOutput(logits=self.lm_head(self.model(input_ids)))
+"""

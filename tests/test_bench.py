@@ -36,7 +36,7 @@ def device_args(device: str) -> argparse.Namespace:
     return argparse.Namespace(device=device, modes="eager,static,compile", shapes="tiny", compile_backend="eager")
 
 
-def fixed_rounds() -> "bench.Bench":
+def fixed_rounds() -> bench.Bench:
     """A run state without noise rejection: a fixed round count."""
     return bench.Bench(TINY_CFG, bench.Sampler(float("inf"), 1.0))
 
