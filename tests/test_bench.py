@@ -41,6 +41,7 @@ def fixed_rounds() -> bench.Bench:
     return bench.Bench(TINY_CFG, bench.Sampler(float("inf"), 1.0))
 
 
+@pytest.mark.slow
 def test_device_section_runs_every_mode_on_cpu():
     results = bench.run_device_section(device_args("cpu"), fixed_rounds())
     assert sorted(results["device"]) == ["tiny_bf16_compile", "tiny_bf16_eager", "tiny_bf16_static"]

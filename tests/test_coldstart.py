@@ -274,6 +274,7 @@ CUT_AFTER_VALIDATION = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_file_cut_after_validation_raises_not_sigbus(tmp_path):
     """Run in a child process: a regression here would be a SIGBUS, which must not take the test run down."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -162,6 +162,7 @@ def verify_args(path, *extra, generated=GENERATED):
     return parse(verify, ["verify", str(path), "--generated-dir", str(generated), "--prompts", "2", *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_verify_passes_on_a_good_checkpoint(checkpoint, capsys, model_type, dtype):
@@ -175,6 +176,7 @@ def test_verify_passes_on_a_good_checkpoint(checkpoint, capsys, model_type, dtyp
         assert diff <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_verify_reports_a_broken_fused_file_as_mismatch(checkpoint, tmp_path, capsys):
     path, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     broken = tmp_path / "broken"

@@ -17,6 +17,8 @@ from fusegen.testkit import MODELS, TOLERANCE, model_classes, random_model, rand
 from generated.fused_llama import FusedLlamaForCausalLM
 from tests.test_hazards import QKV, RETURN, case_path, outcome, write_case  # noqa: F401 (case_path is a fixture)
 
+pytestmark = pytest.mark.slow  # PEFT, export and remote-code loads, many in fresh processes
+
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -21,6 +21,7 @@ def saved_pair(checkpoint, model_type, kv_heads, attn, **config_overrides):
     return load_pair(path, attn_implementation=attn)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("model_type", sorted(MODELS))

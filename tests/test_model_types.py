@@ -11,6 +11,8 @@ from fusegen.compiler.resolve import resolve
 from fusegen.compiler.validate import construction_variants
 from fusegen.testkit import TOLERANCE, max_diff, random_input, random_model, tiny_config
 
+pytestmark = pytest.mark.slow  # every checked-in model type under every construction variant
+
 BASE = {
     "vocab_size": 128,
     "hidden_size": 64,

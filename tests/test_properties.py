@@ -13,10 +13,14 @@ compiler that refuses everything fails.
 
 from collections import Counter
 
+import pytest
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fusegen.tools.fuzz import Harness, draw_case
+
+pytestmark = pytest.mark.slow  # Hypothesis draws and builds many forwards
 
 FUSED_FLOOR = 0.25
 """Measured: 30 of the 80 examples (37.5%) fuse with these settings; the floor leaves room for generator

@@ -25,6 +25,8 @@ from fusegen.runtime.quant import QuantizationRefused
 from fusegen.testkit import MODELS, TOLERANCE, model_classes, random_model, small_config
 from generated.fused_llama import FusedLlamaForCausalLM
 
+pytestmark = pytest.mark.slow  # quantizers on every scheme
+
 # intermediate_size 128: bitsandbytes' CPU 4-bit kernel needs in_features divisible by its block size (64).
 OVERRIDES = {"num_key_value_heads": 2, "intermediate_size": 128}
 SCHEMES = {

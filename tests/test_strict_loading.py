@@ -88,6 +88,7 @@ def assert_loads_exactly(fused_class, path, original):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dense_layers", [0, 1, 2])
 def test_deepseek_v2_dense_first_layers_load_exactly(built, tmp_path, dense_layers):
     config = small_config(DeepseekV2Config, **DEEPSEEK_V2, first_k_dense_replace=dense_layers)

@@ -36,6 +36,8 @@ from fusegen.runtime.tp import (
 from fusegen.testkit import TOLERANCE, model_classes, random_model, small_config
 from generated.fused_llama import STACKED_PARAMS_MAPPING, TP_PLAN, FusedLlamaForCausalLM
 
+pytestmark = pytest.mark.slow  # torchrun launches and multi-rank loads
+
 LAUNCH_TIMEOUT = 300  # seconds for one multi-process launch, interpreter start-up included (2 shared CPU cores)
 GROUP_TIMEOUT = 60  # seconds gloo waits on a collective before failing
 # name -> (model type, config overrides, how the case runs). Heads are 4 unless overridden (fusegen/testkit.py SMALL).

@@ -28,6 +28,8 @@ from fusegen.runtime.version import (
 )
 from fusegen.testkit import MODELS, TOLERANCE, original_classes, random_model, small_config
 
+pytestmark = pytest.mark.slow  # builds under the installed Transformers and imports in fresh processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -13,6 +13,8 @@ from fusegen.compiler.resolve import resolve
 from fusegen.compiler.validate import Check, check_config, construction_variants, validate
 from fusegen.testkit import TOLERANCE, tiny_config
 
+pytestmark = pytest.mark.slow  # builds llama with validation several times
+
 GLU_LINE = "down_proj = self.down_proj(self.act_fn(gate_proj_out) * up_proj_out)"
 GLU_SWAPPED = "down_proj = self.down_proj(self.act_fn(up_proj_out) * gate_proj_out)"
 MAPPING_LINE = '"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],'
