@@ -39,6 +39,7 @@ def test_logits_and_greedy_tokens_match(checkpoint, model_type, heads, attn):
     assert torch.equal(original.generate(prompt, **kwargs), fused.generate(prompt, **kwargs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_left_padded_batch_with_mask_matches(checkpoint, model_type):
     original, fused = saved_pair(checkpoint, model_type, 2, "sdpa")

@@ -100,6 +100,7 @@ def test_deepseek_v2_dense_first_layers_load_exactly(built, tmp_path, dense_laye
         assert torch.equal(merged, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
 
 
+@pytest.mark.slow
 def test_deepseek_v2_mapping_and_tp_plan_name_every_placement(built):
     module = built["deepseek_v2"]
     assert module.TP_PLAN["layers.*.mlp.gate_up_proj"] == "fusegen_merged_colwise"
@@ -113,6 +114,7 @@ def test_deepseek_v2_mapping_and_tp_plan_name_every_placement(built):
     [{}, {"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}, {"mlp_only_layers": [0, 1]}],
     ids=["all-sparse", "mlp-only-0", "sparse-step-2", "all-dense"],
 )
+@pytest.mark.slow
 def test_qwen2_moe_dense_layers_load_exactly(built, tmp_path, variant):
     config = small_config(Qwen2MoeConfig, **QWEN2_MOE, **variant)
     path, original = save_original(tmp_path, Qwen2MoeForCausalLM, config)
@@ -131,6 +133,7 @@ def test_qwen3_moe_dense_layers_load_exactly(tmp_path, variant):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_stale_mapping_that_misses_the_dense_layer_raises(built, tmp_path):
     """The file the old compiler wrote (parents read off the default config) must refuse, not random-init layer 0."""
     text = Path(built["deepseek_v2"].__file__).read_text()
