@@ -30,6 +30,7 @@ import torch
 import transformers
 
 from fusegen.compiler.build import build
+from fusegen.errors import EXIT_DRIFT, EXIT_OK
 from fusegen.testkit import TOLERANCE, randomise, toy_source
 
 CALLS = ("q = self.q_proj(x)", "k = self.k_proj(x)", "v = self.v_proj(x)")
@@ -259,7 +260,9 @@ def compare_layers(original_module, fused_module, plans, rules) -> Result:
             actual = fused(x.clone())
         except Exception as exc:  # noqa: BLE001
             return Result(True, rules, miscompile=f"fused raises where the original does not: {exc!r}")
-    if expected.shape != actual.shape or not torch.allclose(expected, actual, atol=TOLERANCE, rtol=1e-6, equal_nan=True):
+    if expected.shape != actual.shape or not torch.allclose(
+        expected, actual, atol=TOLERANCE, rtol=1e-6, equal_nan=True
+    ):
         difference = (expected - actual).abs().nan_to_num().max().item() if expected.shape == actual.shape else "shape"
         return Result(True, rules, miscompile=f"fused output differs (max |diff| {difference})")
     return Result(True, rules)
@@ -309,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     print(figures.report())
     for miscompile in figures.miscompiles[:5]:
         print("\nMISCOMPILE:", miscompile)
-    return 1 if figures.miscompiles else 0
+    return EXIT_DRIFT if figures.miscompiles else EXIT_OK  # 1: something computes other numbers (fusegen.errors)
 
 
 if __name__ == "__main__":
