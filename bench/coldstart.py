@@ -11,7 +11,7 @@ parent's peak RSS into a child), interleaved A B C A B C ... so machine drift hi
 - `fused`: the generated class, same canonical checkpoint (q/k/v and gate/up merged at load);
 - `fused layout`: the generated class, the `fusegen convert` output (merged tensors memory-mapped as stored).
 
-Each child runs bench/run.py's `child_load`: import, then `from_pretrained(dtype=bf16, attn_implementation="sdpa")`,
+Each child runs bench/harness.py's `child_load` (started as `bench/run.py --child load`): import, then `from_pretrained(dtype=bf16, attn_implementation="sdpa")`,
 then one 16-token forward; the figure is load + first forward (the first forward is where a memory-mapped weight is
 actually read). Peak RSS is the child's `ru_maxrss` over the whole run. Printed per shape: the median of each variant,
 the ratio of medians to the original, and the spread (min-max) of the per-round ratios. Rounds during which other
@@ -35,12 +35,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import run
+import harness
+from harness import Bench, Launcher, Sampler
+from report import log
 
-run.SHAPES.setdefault(
+harness.SHAPES.setdefault(
     "llama3b",
     {
-        **run.SHAPES["llama1b"],
+        **harness.SHAPES["llama1b"],
         "hidden_size": 3072,
         "intermediate_size": 8192,
         "num_attention_heads": 24,
@@ -54,32 +56,33 @@ TARGETS = {"fused": ("load + first forward", 1.2), "fused layout": ("load + firs
 RSS_TARGET = 1.05
 
 
-def child(variant: str, canonical: Path, fused: Path, threads: int) -> tuple[dict, float]:
+def child(bench: Bench, variant: str, canonical: Path, fused: Path) -> tuple[dict, float]:
     """One fresh-process measurement; a failing variant (e.g. before the fused layout loaded) is reported, not fatal."""
     kind, path = {"original": ("orig", canonical), "fused": ("fused", canonical), "fused layout": ("fused", fused)}[
         variant
     ]
     try:
-        return run.run_child(["load", kind, str(path), "bf16"], threads, 900)
+        return harness.run_child(bench.launcher, ["load", kind, str(path), "bf16"], bench.threads, 900)
     except RuntimeError as error:
         return {"error": str(error).strip().splitlines()[-1][:300]}, 0.0
 
 
-def measure(shape: str, runs: int, threads: int, workdir: Path) -> dict:
+def measure(bench: Bench, shape: str, runs: int, workdir: Path) -> dict:
     from fusegen.tools.convert import convert_checkpoint
 
     layers = LAYERS.get(shape, 4)
     start = time.perf_counter()
-    canonical = run.write_checkpoints(shape, layers, workdir, dtypes=("bf16",))["bf16"]
+    canonical = harness.write_checkpoints(shape, layers, workdir, dtypes=("bf16",))["bf16"]
     fused = convert_checkpoint(
-        canonical, workdir / f"{shape}-fused", run.SHAPES[shape]["model_type"], generated_dir=run.ROOT / "generated"
+        canonical,
+        workdir / f"{shape}-fused",
+        harness.SHAPES[shape]["model_type"],
+        generated_dir=harness.ROOT / "generated",
     )
     size = sum(p.stat().st_size for p in canonical.glob("*.safetensors")) / 2**20
-    run.log(
-        f"[{shape}, {layers} layers, {size:.0f} MiB bf16] wrote and converted in {time.perf_counter() - start:.0f} s"
-    )
-    runners = [lambda v=variant: child(v, canonical, fused, threads) for variant in VARIANTS]
-    columns, info = run.SAMPLER.interleaved(runners, 0, runs)
+    log(f"[{shape}, {layers} layers, {size:.0f} MiB bf16] wrote and converted in {time.perf_counter() - start:.0f} s")
+    runners = [lambda v=variant: child(bench, v, canonical, fused) for variant in VARIANTS]
+    columns, info = bench.sampler.interleaved(runners, 0, runs)
     shutil.rmtree(canonical)
     shutil.rmtree(fused)
     result = {"shape": shape, "layers": layers, "checkpoint_mib": size, **info, "variants": {}}
@@ -104,18 +107,18 @@ def measure(shape: str, runs: int, threads: int, workdir: Path) -> dict:
 
 
 def report(results: list[dict]) -> None:
-    run.log(
+    log(
         "\nmedians over fresh processes; ratio = variant / original (ratio of medians; spread = min-max of the "
         "per-round ratios)"
     )
-    run.log(
+    log(
         f"{'shape':9} {'variant':13} {'load s':>7} {'1st fwd s':>9} {'total s':>7} {'ratio':>6} {'spread':>11} "
         f"{'peak MiB':>8} {'ratio':>6} {'spread':>11} {'rounds':>7}"
     )
     for result in results:
         for variant, row in result["variants"].items():
             if "error" in row:
-                run.log(f"{result['shape']:9} {variant:13} failed: {row['error']}")
+                log(f"{result['shape']:9} {variant:13} failed: {row['error']}")
                 continue
             ratios = (
                 ""
@@ -132,18 +135,18 @@ def report(results: list[dict]) -> None:
                     f"{row['peak_rss_mib_ratio_spread'][1]:<5.2f}"
                 )
             )
-            run.log(
+            log(
                 f"{result['shape']:9} {variant:13} {row['from_pretrained_s']:7.3f} {row['first_forward_s']:9.3f} "
                 f"{row['load_s']:7.3f} {ratios:>18} {row['peak_rss_mib']:8.0f} {rss:>18} "
                 f"{result['used_rounds']:>3}/{result['rounds']}{' NOISY' if result['noisy'] else ''}"
             )
-    run.log("\ntargets (medians):")
+    log("\ntargets (medians):")
     for result in results:
         for variant, (what, limit) in TARGETS.items():
             row = result["variants"].get(variant, {})
             if "error" in row or not row:
                 continue
-            run.log(
+            log(
                 f"  {result['shape']:8} {variant:13} {what} {row['load_s_ratio']:.3f} (<= {limit}: "
                 f"{'yes' if row['load_s_ratio'] <= limit else 'no'}); peak RSS {row['peak_rss_mib_ratio']:.3f} "
                 f"(<= {RSS_TARGET}: {'yes' if row['peak_rss_mib_ratio'] <= RSS_TARGET else 'no'})"
@@ -166,15 +169,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure as JSON")
     args = parser.parse_args()
 
-    run.LAUNCHER = run.Launcher()  # before anything big is allocated
+    launcher = Launcher()  # before anything big is allocated
     import os
 
     import torch
 
-    run.quiet_transformers()
-    run.SAMPLER = run.Sampler(args.noise_threshold, args.max_rounds_factor)
+    harness.quiet_transformers()
     threads = args.threads or os.cpu_count()
-    run.log(
+    bench = Bench({}, Sampler(args.noise_threshold, args.max_rounds_factor), threads, launcher)
+    log(
         f"fusegen cold start: torch {torch.__version__}, {os.cpu_count()} cores, {threads} threads per child, "
         f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
@@ -183,10 +186,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fusegen-coldstart-") as tmp:
         for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
             runs = args.big_runs if shape == "llama3b" else args.runs
-            results.append(measure(shape, runs, threads, Path(tmp)))
-    run.LAUNCHER.close()
+            results.append(measure(bench, shape, runs, Path(tmp)))
+    launcher.close()
     report(results)
-    run.log(
+    log(
         f"\nwall time {time.perf_counter() - started:.0f} s; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     if args.json:

@@ -11,22 +11,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tempfile
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from generated.fused_llama import FusedLlamaForCausalLM
-from generated.fused_qwen2 import FusedQwen2ForCausalLM
-from tests.conftest import random_model, tiny_config
+from fusegen.testkit import MODELS, load_pair, model_classes, save_random, small_config
 
-for name, cc, oc, fc in [
-    ("llama", LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
-    ("qwen2", Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
-]:
+for name in MODELS:
+    cc, oc, _ = model_classes(name)
     for kv in (4, 2, 1):
         for attn in ("eager", "sdpa"):
             d = tempfile.mkdtemp()
-            random_model(oc, tiny_config(cc, num_key_value_heads=kv)).save_pretrained(d)
-            o = oc.from_pretrained(d, attn_implementation=attn).eval()
-            f = fc.from_pretrained(d, attn_implementation=attn).eval()
+            save_random(oc, small_config(cc, num_key_value_heads=kv), d)
+            o, f = load_pair(d, attn_implementation=attn)
             x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
                 diff = (o(x).logits - f(x).logits).abs().max().item()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench  # bench/run.py: it also puts the repository root on sys.path, for `generated`
+import harness as bench  # bench/harness.py: it also puts the repository root on sys.path, for `generated`
 
 
 def main() -> None:

@@ -16,25 +16,10 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from generated.fused_llama import FusedLlamaForCausalLM
-from generated.fused_qwen2 import FusedQwen2ForCausalLM
+from fusegen.testkit import MODELS, model_classes, random_model, randomise, small_config
 
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
-}
-TINY = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-}
 TARGETS = {
     "q,v (PEFT default)": ["q_proj", "v_proj"],
     "q,k,v,o,gate,up,down": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -55,10 +40,7 @@ def make_adapter(original_class, checkpoint, targets, out):
     model = get_peft_model(
         original_class.from_pretrained(checkpoint), LoraConfig(r=4, lora_alpha=8, target_modules=targets)
     )
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.normal_(0, 0.3)
+    randomise(model, lambda name: "lora_" in name)
     model.save_pretrained(out)
     return logits(model.eval()), sum("lora_" in k for k in model.state_dict())
 
@@ -109,12 +91,9 @@ def main():
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
-        for model_type, (config_class, original_class, fused_class) in MODELS.items():
-            torch.manual_seed(0)
-            base = original_class(config_class(**TINY))
-            with torch.no_grad():
-                for parameter in base.parameters():
-                    parameter.normal_(0, 0.2)
+        for model_type in MODELS:
+            config_class, original_class, fused_class = model_classes(model_type)
+            base = random_model(original_class, small_config(config_class, num_key_value_heads=2))
             checkpoint = Path(tmp) / model_type
             base.save_pretrained(checkpoint)
             for label, targets in TARGETS.items():
@@ -125,7 +104,10 @@ def main():
                     ("load_adapter", via_load_adapter),
                 ):
                     got, error = attempt(function, fused_class, checkpoint, adapter)
-                    figure = error or f"max |logits diff| {(got - expected).abs().max().item():.2e}"
+                    figure = error or (
+                        f"max |logits diff| {(got - expected).abs().max().item():.2e} "
+                        f"(max |logit| {expected.abs().max().item():.1f})"
+                    )
                     print(f"{model_type:6} adapter on {label:22} ({tensors:2} tensors) via {how:26} {figure}")
             for label, targets in (
                 ("original names q,v", ["q_proj", "v_proj"]),

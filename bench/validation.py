@@ -93,17 +93,16 @@ def in_process() -> None:
 
 def variants() -> None:
     import generated
-    from fusegen.tools.coverage import model_config
     from fusegen.compiler.resolve import resolve
-    from fusegen.compiler.shrink import tiny_config
     from fusegen.compiler.validate import construction_variants
+    from fusegen.testkit import tiny_config
 
     print(
         "\n## construction variants per checked-in file (the build validates the first MAX_VARIANTS; the test up to 8)"
     )
     for path in sorted(Path(generated.__file__).parent.glob("fused_*.py")):
         target = resolve(path.stem.removeprefix("fused_"))
-        config = model_config(target, tiny_config(target.config_class))
+        config = tiny_config(target)
         print(
             f"{target.model_type}: {', '.join(label for label, _ in construction_variants(target, config, limit=8))}"
         )

@@ -60,3 +60,16 @@ def command(handler: Callable[..., int]) -> Callable[..., int]:
             return fail(f"internal error, please report it: {type(error).__name__}: {error}", EXIT_INTERNAL)
 
     return run
+
+
+def first_line(error: BaseException) -> str:
+    """The first two non-blank lines of an exception's message, joined, at most 300 characters (for one-line reports)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return " ".join(lines[:2])[:300]
+
+
+def short_error(error: BaseException) -> str:
+    """`Type: message` plus where in the source it was raised (file:line), for triage in one line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" [{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}]" if frames else ""
+    return f"{type(error).__name__}: {first_line(error)}{where}"

@@ -36,9 +36,14 @@ def device_args(device: str) -> argparse.Namespace:
     return argparse.Namespace(device=device, modes="eager,static,compile", shapes="tiny", compile_backend="eager")
 
 
-def test_device_section_runs_every_mode_on_cpu(monkeypatch):
-    monkeypatch.setattr(bench, "SAMPLER", bench.Sampler(float("inf"), 1.0))  # no noise rejection: a fixed round count
-    results = bench.run_device_section(device_args("cpu"), TINY_CFG)
+def fixed_rounds() -> bench.Bench:
+    """A run state without noise rejection: a fixed round count."""
+    return bench.Bench(TINY_CFG, bench.Sampler(float("inf"), 1.0))
+
+
+@pytest.mark.slow
+def test_device_section_runs_every_mode_on_cpu():
+    results = bench.run_device_section(device_args("cpu"), fixed_rounds())
     assert sorted(results["device"]) == ["tiny_bf16_compile", "tiny_bf16_eager", "tiny_bf16_static"]
     for mode, rows in results["device"].items():
         assert sorted(rows) == ["decode_b1_kv16", "decode_b2_kv16", "prefill16"], mode
@@ -52,7 +57,7 @@ def test_device_section_runs_every_mode_on_cpu(monkeypatch):
 def test_device_section_without_the_device_says_so_and_measures_nothing(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device; the skip message cannot be exercised here")
-    assert bench.run_device_section(device_args("cuda"), TINY_CFG) is None
+    assert bench.run_device_section(device_args("cuda"), fixed_rounds()) is None
     assert "--device cuda: skipped: no cuda device here" in capsys.readouterr().out
 
 

@@ -1,5 +1,7 @@
 """Refusals decided outside one class: checkpoints already merged, fused classes the model never builds."""
 
+import pytest
+
 from fusegen.compiler.build import analyse, build
 from fusegen.compiler.plan import Veto
 
@@ -15,6 +17,7 @@ def test_checkpoint_that_already_stores_qkv_merged_is_refused():
     assert any(plan.merged == "gate_up_proj" for outcome in outcomes for plan in outcome.fused)
 
 
+@pytest.mark.slow
 def test_class_built_from_a_config_of_any_type_is_refused_as_unreachable():
     # GotOcr2Model builds AutoModel.from_config(config.text_config), and GotOcr2Config declares its text part as
     # AutoConfig: which class is built depends on the config, so a fused Qwen2 copy would never be named there.
@@ -29,6 +32,7 @@ def test_class_built_from_a_config_of_any_type_is_refused_as_unreachable():
     assert ("Qwen2Attention", "unreachable") in rules(analyse("got_ocr2").outcomes)
 
 
+@pytest.mark.slow
 def test_pretrained_base_inherits_the_runtime_mixin_and_carries_no_added_methods():
     text = build("llama").text
     assert "class FusedLlamaPreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):" in text

@@ -6,6 +6,8 @@ import pytest
 from fusegen.compiler.build import build
 from fusegen.tools.coverage import verify
 
+pytestmark = pytest.mark.slow  # builds and verifies whole model types
+
 TABLES = {
     "gpt_neo": 'FUSED_GPT_NEO_ATTENTION_CLASSES = {"eager": FusedGPTNeoSelfAttention}',
     "jamba": "FUSED_ALL_DECODER_LAYER_TYPES = {",

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts fresh fusegen processes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

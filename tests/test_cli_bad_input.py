@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fusegen.cli import main
 from fusegen.errors import EXIT_ERROR, EXIT_INTERNAL, command
-from tests.conftest import random_model, tiny_config
+from fusegen.testkit import random_model, small_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "generated"
@@ -84,7 +84,7 @@ DAMAGES = {
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     path = tmp_path_factory.mktemp("good") / "ckpt"
-    random_model(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2)).save_pretrained(path)
+    random_model(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2)).save_pretrained(path)
     return path
 
 
@@ -144,6 +144,7 @@ def test_report_unimportable_module(capsys):
     assert_bad_input(["report", "no_such_package.modeling_x"], capsys, "no_such_package")
 
 
+@pytest.mark.slow
 def test_build_into_a_file(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert_bad_input(["build", "llama", "--output-dir", tmp_path / "afile"], capsys, "afile")
@@ -177,6 +178,7 @@ def test_a_bug_is_exit_3_with_its_traceback_never_1(capsys):
     assert "Traceback" in err and "internal error" in err and "KeyError" in err
 
 
+@pytest.mark.slow
 def test_verify_from_the_shell(damaged):
     """The reported case: `fusegen verify` on a truncated model.safetensors printed a traceback and exited 1."""
     path, named = damaged("truncated")

@@ -14,21 +14,16 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from fusegen.tools.convert import convert_checkpoint
 from fusegen.runtime import CheckpointError, files, load_checkpoint
 from fusegen.runtime.streaming import concatenate_into_new, file_region, fill_from_file, reading_session
+from fusegen.testkit import MODELS, model_classes, small_config
+from fusegen.tools.convert import convert_checkpoint
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
-from generated.fused_qwen2 import FusedQwen2ForCausalLM
-from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ROOT / "generated"
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
-}
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
 Q = "model.layers.0.self_attn.q_proj.weight"
 
@@ -45,8 +40,8 @@ def mapped_file(tensor: torch.Tensor) -> str | None:
 
 
 def fused_checkpoint(checkpoint, tmp_path, model_type="llama", **convert_kwargs):
-    config_class, original_class, fused_class = MODELS[model_type]
-    source, original = checkpoint(original_class, tiny_config(config_class, num_key_value_heads=2))
+    config_class, original_class, fused_class = model_classes(model_type)
+    source, original = checkpoint(original_class, small_config(config_class, num_key_value_heads=2))
     out = convert_checkpoint(source, tmp_path / "fused", model_type, generated_dir=GENERATED, **convert_kwargs)
     return source, out, original, fused_class
 
@@ -117,8 +112,8 @@ def test_fused_layout_with_another_row_order_is_refused(checkpoint, tmp_path):
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_canonical_from_pretrained_matches_the_original(checkpoint, model_type, dtype):
     """fp32 reads the pieces from the file; bf16 converts them (Transformers casts each piece) and copies."""
-    config_class, original_class, fused_class = MODELS[model_type]
-    path, _ = checkpoint(original_class, tiny_config(config_class, num_key_value_heads=1))
+    config_class, original_class, fused_class = model_classes(model_type)
+    path, _ = checkpoint(original_class, small_config(config_class, num_key_value_heads=1))
     original = original_class.from_pretrained(path, dtype=dtype)
     model = fused_class.from_pretrained(path, dtype=dtype)
     attention = original.model.layers[1].self_attn
@@ -131,7 +126,7 @@ def test_canonical_from_pretrained_matches_the_original(checkpoint, model_type, 
 
 def test_sharded_canonical_from_pretrained(checkpoint):
     path, original = checkpoint(
-        LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2), max_shard_size="20KB"
+        LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2), max_shard_size="20KB"
     )
     assert (path / "model.safetensors.index.json").exists()
     assert torch.equal(logits(FusedLlamaForCausalLM.from_pretrained(path)), logits(original))
@@ -179,7 +174,7 @@ def test_only_the_mapped_file_itself_is_read(tmp_path):
 
 
 def test_load_checkpoint_converts_in_chunks(checkpoint, monkeypatch):
-    path, original = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    path, original = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     monkeypatch.setattr(files, "_BOUNCE_BYTES", 1000)  # several chunks per tensor, and a ragged last one
     model = FusedLlamaForCausalLM(original.config).to(torch.float64)
     load_checkpoint(model, path)
@@ -208,7 +203,7 @@ def test_truncated_file_is_refused_by_from_pretrained(checkpoint, tmp_path, layo
 
 
 def test_index_escaping_the_directory_is_refused_by_from_pretrained(checkpoint, tmp_path):
-    path, _ = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2), max_shard_size="20KB")
+    path, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2), max_shard_size="20KB")
     index = json.loads((path / "model.safetensors.index.json").read_text())
     shard = index["weight_map"][Q]
     os.replace(path / shard, tmp_path / shard)
@@ -219,7 +214,7 @@ def test_index_escaping_the_directory_is_refused_by_from_pretrained(checkpoint, 
 
 
 def test_tensor_in_two_shards_is_refused_by_from_pretrained(checkpoint, tmp_path):
-    path, _ = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2), max_shard_size="20KB")
+    path, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2), max_shard_size="20KB")
     index = json.loads((path / "model.safetensors.index.json").read_text())
     shard = index["weight_map"][Q]
     other = next(v for v in index["weight_map"].values() if v != shard)
@@ -230,7 +225,7 @@ def test_tensor_in_two_shards_is_refused_by_from_pretrained(checkpoint, tmp_path
 
 
 def test_pickle_only_checkpoint_is_refused_by_from_pretrained_unless_allowed(tmp_path):
-    original = LlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+    original = LlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
     (tmp_path / "bin").mkdir()
     original.config.save_pretrained(tmp_path / "bin")
     torch.save(dict(original.state_dict()), tmp_path / "bin" / "pytorch_model.bin")
@@ -249,10 +244,10 @@ CUT_AFTER_VALIDATION = textwrap.dedent("""
     from fusegen.runtime.streaming import fill_from_file
     from generated.fused_llama import FusedLlamaForCausalLM
     from transformers import LlamaConfig, LlamaForCausalLM
-    from tests.conftest import tiny_config
+    from fusegen.testkit import small_config
 
     directory = sys.argv[1]
-    config = tiny_config(LlamaConfig, num_key_value_heads=2)
+    config = small_config(LlamaConfig, num_key_value_heads=2)
     LlamaForCausalLM(config).save_pretrained(directory)
     weights = os.path.join(directory, "model.safetensors")
     size = os.path.getsize(weights)
@@ -279,6 +274,7 @@ CUT_AFTER_VALIDATION = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_file_cut_after_validation_raises_not_sigbus(tmp_path):
     """Run in a child process: a regression here would be a SIGBUS, which must not take the test run down."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

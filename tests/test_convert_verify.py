@@ -11,20 +11,15 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from fusegen.runtime import load_checkpoint
+from fusegen.testkit import MODELS, TOLERANCE, model_classes, small_config
 from fusegen.tools import convert, verify
 from fusegen.tools.convert import convert_checkpoint
-from fusegen.runtime import load_checkpoint
 from generated.fused_llama import FusedLlamaForCausalLM
-from generated.fused_qwen2 import FusedQwen2ForCausalLM
-from tests.conftest import tiny_config
 
 GENERATED = Path(__file__).resolve().parents[1] / "generated"
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
-}
 
 
 def parse(module, argv):
@@ -51,8 +46,8 @@ def logits(model):
 
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_convert_writes_a_fused_layout_that_loads(checkpoint, tmp_path, model_type):
-    config_class, original_class, fused_class = MODELS[model_type]
-    source, original = checkpoint(original_class, tiny_config(config_class, num_key_value_heads=2))
+    config_class, original_class, fused_class = model_classes(model_type)
+    source, original = checkpoint(original_class, small_config(config_class, num_key_value_heads=2))
     out = convert_checkpoint(source, tmp_path / "fused", model_type, generated_dir=GENERATED)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "fused.safetensors", "generation_config.json"]
     with safe_open(out / "fused.safetensors", "pt") as handle:
@@ -78,7 +73,7 @@ def test_convert_writes_a_fused_layout_that_loads(checkpoint, tmp_path, model_ty
 
 def test_convert_shards_and_keeps_dtype(checkpoint, tmp_path):
     source, original = checkpoint(
-        LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=1), dtype=torch.bfloat16
+        LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=1), dtype=torch.bfloat16
     )
     original = original.to(torch.bfloat16)
     LlamaForCausalLM.save_pretrained(original, source)
@@ -91,7 +86,7 @@ def test_convert_shards_and_keeps_dtype(checkpoint, tmp_path):
 
 
 def test_original_class_refuses_a_fused_checkpoint_loudly(checkpoint, tmp_path):
-    source, _ = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    source, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     out = convert_checkpoint(source, tmp_path / "fused", "llama", generated_dir=GENERATED)
     refusal = r"fusegen fused layout .*FusedLlamaForCausalLM"
     with pytest.raises(ValueError, match=refusal):
@@ -109,7 +104,7 @@ def test_original_class_refuses_a_fused_checkpoint_loudly(checkpoint, tmp_path):
 
 
 def test_convert_command(checkpoint, tmp_path, capsys):
-    source, _ = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    source, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     args = parse(
         convert, ["convert", str(source), str(tmp_path / "out"), "--model", "llama", "--generated-dir", str(GENERATED)]
     )
@@ -129,7 +124,7 @@ def test_convert_command(checkpoint, tmp_path, capsys):
     ],
 )
 def test_convert_bad_input_exits_2_and_writes_nothing(checkpoint, tmp_path, capsys, problem, expected):
-    source, _ = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    source, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     out, model, generated = tmp_path / "out", "llama", GENERATED
     if problem == "missing-source":
         source = tmp_path / "nowhere"
@@ -167,21 +162,23 @@ def verify_args(path, *extra, generated=GENERATED):
     return parse(verify, ["verify", str(path), "--generated-dir", str(generated), "--prompts", "2", *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_verify_passes_on_a_good_checkpoint(checkpoint, capsys, model_type, dtype):
-    config_class, original_class, _ = MODELS[model_type]
-    path, _ = checkpoint(original_class, tiny_config(config_class, num_key_value_heads=2))
+    config_class, original_class, _ = model_classes(model_type)
+    path, _ = checkpoint(original_class, small_config(config_class, num_key_value_heads=2))
     assert verify.run(verify_args(path, "--dtype", dtype)) == 0
     out = capsys.readouterr().out
     assert "max abs logit diff" in out and "greedy-token agreement: " in out and "OK" in out
     if dtype == "fp32":
         diff = float(out.split("max abs logit diff: ")[1].split()[0])
-        assert diff <= 1e-5
+        assert diff <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_verify_reports_a_broken_fused_file_as_mismatch(checkpoint, tmp_path, capsys):
-    path, _ = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    path, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     broken = tmp_path / "broken"
     broken.mkdir()
     text = (GENERATED / "fused_llama.py").read_text()
@@ -194,7 +191,7 @@ def test_verify_reports_a_broken_fused_file_as_mismatch(checkpoint, tmp_path, ca
 
 @pytest.mark.parametrize("problem", ["empty-dir", "fused-layout", "missing-tensor", "no-generated-file"])
 def test_verify_bad_input_exits_2(checkpoint, tmp_path, capsys, problem):
-    path, _ = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    path, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     generated = GENERATED
     if problem == "empty-dir":
         path = tmp_path / "empty"
@@ -212,6 +209,6 @@ def test_verify_bad_input_exits_2(checkpoint, tmp_path, capsys, problem):
 
 
 def test_bf16_tolerance_is_relative_to_the_logit_scale():
-    assert verify.tolerance("fp32", 100.0) == 1e-5
+    assert verify.tolerance("fp32", 100.0) == TOLERANCE
     assert verify.tolerance("bf16", 8.0) == 0.5
     assert verify.tolerance("bf16", 0.1) == verify.BF16_RELATIVE_TOLERANCE

@@ -10,19 +10,15 @@ import pytest
 import torch
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model  # the `ecosystem` extra; a missing PEFT fails
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from fusegen.runtime import AdapterError
+from fusegen.testkit import MODELS, TOLERANCE, model_classes, random_model, randomise, small_config
 from generated.fused_llama import FusedLlamaForCausalLM
-from generated.fused_qwen2 import FusedQwen2ForCausalLM
-from tests.conftest import random_model, tiny_config
 from tests.test_hazards import QKV, RETURN, case_path, outcome, write_case  # noqa: F401 (case_path is a fixture)
 
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
-}
-TOLERANCE = 1e-5
+pytestmark = pytest.mark.slow  # PEFT, export and remote-code loads, many in fresh processes
+
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -34,19 +30,15 @@ def _logits(model):
 
 def _base(checkpoint, model_type):
     """A saved random GQA original of `model_type`; returns (path, original class, fused class)."""
-    config_class, original_class, fused_class = MODELS[model_type]
-    path, _ = checkpoint(original_class, tiny_config(config_class, num_key_value_heads=2))
+    config_class, original_class, fused_class = model_classes(model_type)
+    path, _ = checkpoint(original_class, small_config(config_class, num_key_value_heads=2))
     return path, original_class, fused_class
 
 
 def _random_lora(model):
     """Non-zero A and B everywhere (PEFT starts B at zero, which would hide a dropped or mis-placed tensor)."""
     torch.manual_seed(5)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.normal_(0, 0.3)
-    return model
+    return randomise(model, lambda name: "lora_" in name)
 
 
 def _adapter(tmp_path, original_class, path, **lora):
@@ -263,7 +255,7 @@ def _tokenizer():
 def test_text_generation_pipeline_logs_no_error(caplog):
     from transformers import pipeline
 
-    fused = random_model(FusedLlamaForCausalLM, tiny_config(LlamaConfig))
+    fused = random_model(FusedLlamaForCausalLM, small_config(LlamaConfig))
     logging.getLogger("transformers").addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.WARNING, logger="transformers"):
@@ -273,7 +265,7 @@ def test_text_generation_pipeline_logs_no_error(caplog):
         logging.getLogger("transformers").removeHandler(caplog.handler)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     # ...and original models still load as themselves.
-    assert type(AutoModelForCausalLM.from_config(tiny_config(LlamaConfig))) is LlamaForCausalLM
+    assert type(AutoModelForCausalLM.from_config(small_config(LlamaConfig))) is LlamaForCausalLM
 
 
 # --------------------------------------------------------------------------------------------------------------------

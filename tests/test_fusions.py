@@ -21,7 +21,7 @@ from fusegen.fusions.base import Kind
 from fusegen.fusions.linear import LinearKind
 from fusegen.runtime.tp import LOCAL_HEADS, MERGED_COLWISE, fused_plan_from
 from fusegen.tools import coverage
-from tests.conftest import TOLERANCE
+from fusegen.testkit import TOLERANCE
 
 TOY = """
 import torch

@@ -11,6 +11,8 @@ from fusegen.compiler.build import build
 from fusegen.compiler.render import format_source
 from fusegen.compiler.resolve import resolve
 
+pytestmark = pytest.mark.slow  # rebuilds every checked-in file
+
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "generated"
 TARGETS = sorted(path.name.removeprefix("fused_").removesuffix(".py") for path in GENERATED.glob("fused_*.py"))

@@ -12,106 +12,7 @@ import pytest
 import torch
 
 from fusegen.compiler.build import analyse, build
-
-MODULE = """
-import inspect
-import operator
-import sys
-
-import torch
-import torch.nn.functional as F
-from torch import nn
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
-
-
-def apply(module, x):
-    return module(x)
-
-
-def scale_in_place(x):
-    x.mul_(2)
-    return x
-
-
-class Mutator(nn.Module):
-    def forward(self, x):
-        x.add_(1)
-        return x
-
-
-{extra}
-
-
-class ToyConfig(PretrainedConfig):
-    model_type = "{model_type}"
-
-    def __init__(self, vocab_size=32, hidden_size=16, num_hidden_layers=2, flag=True, **kwargs):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.flag = flag
-        kwargs.setdefault("tie_word_embeddings", False)
-        super().__init__(**kwargs)
-
-
-class ToyBlock(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.flag = config.flag
-        self.hidden_size = config.hidden_size
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size // 2, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size // 2, bias=False)
-{init}
-
-    def forward(self, x):
-{forward}
-
-
-    def reset_state(self):
-        self.state.zero_()
-
-
-class ToyPreTrainedModel(PreTrainedModel):
-    config_class = ToyConfig
-    base_model_prefix = "model"
-
-
-class ToyLayer(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.block = ToyBlock(config)
-{layer}
-
-    def forward(self, x):
-        return x + self.block(x)
-
-
-class ToyModel(ToyPreTrainedModel):
-    def __init__(self, config):
-        super().__init__(config)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([ToyLayer(config) for _ in range(config.num_hidden_layers)])
-        self.post_init()
-
-    def forward(self, input_ids):
-        hidden = self.embed(input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden)
-        return hidden
-
-
-class ToyForCausalLM(ToyPreTrainedModel, GenerationMixin):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = ToyModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-    def forward(self, input_ids, **kwargs):
-        return CausalLMOutput(logits=self.lm_head(self.model(input_ids)))
-"""
+from fusegen.testkit import toy_source
 
 QKV = "        q = self.q_proj(x)\n        k = self.k_proj(x)\n        v = self.v_proj(x)\n"
 RETURN = "        return q + torch.cat([k, v], dim=-1)\n"
@@ -664,23 +565,12 @@ FAMILY_SAFE = {
 }
 
 
-def module_source(model_type, init, forward, extra="", layer=""):
-    """The toy causal LM's source with the block's extra `__init__` lines and `forward` body filled in.
-
-    `extra` goes at module level (helpers, subclasses, global hooks), `layer`
-    into `ToyLayer.__init__` after the block is built (hooks, replacements).
-    """
-    source = MODULE.replace("{model_type}", model_type).replace("{init}", init.rstrip("\n") or "        pass")
-    source = source.replace("{extra}", extra.rstrip("\n")).replace("{layer}", layer.rstrip("\n"))
-    return source.replace("{forward}", forward.rstrip("\n"))
-
-
 def write_case(tmp_path, name, init, forward, extra="", layer=""):
     package = tmp_path / "hazard_cases"
     package.mkdir(exist_ok=True)
     (package / "__init__.py").touch()
     module_name = f"toy_{name}"
-    (package / f"{module_name}.py").write_text(module_source(module_name, init, forward, extra, layer))
+    (package / f"{module_name}.py").write_text(toy_source(module_name, init, forward, extra, layer))
     return f"hazard_cases.{module_name}"
 
 

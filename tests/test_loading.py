@@ -14,25 +14,20 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from fusegen.runtime import CheckpointError, load_checkpoint, load_weights, save_checkpoint
 from fusegen.runtime.loading import FUSED, LAYOUT_KEY, STACKED_KEY, open_checkpoint, parse_size, write_safetensors
+from fusegen.testkit import MODELS, model_classes, random_model, small_config
 from generated.fused_llama import STACKED_PARAMS_MAPPING, FusedLlamaForCausalLM
-from generated.fused_qwen2 import FusedQwen2ForCausalLM
-from tests.conftest import random_model, tiny_config
 
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
-}
 Q = "model.layers.0.self_attn.q_proj.weight"
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
 FUSED_METADATA = {"format": "pt", LAYOUT_KEY: FUSED, STACKED_KEY: json.dumps(STACKED_PARAMS_MAPPING)}
 
 
 def llama_config(**overrides):
-    return tiny_config(LlamaConfig, num_key_value_heads=2, **overrides)
+    return small_config(LlamaConfig, num_key_value_heads=2, **overrides)
 
 
 def canonical_state(config, seed=0) -> dict[str, torch.Tensor]:
@@ -96,8 +91,8 @@ def logits(model, ids=None):
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_canonical_checkpoint_loads_into_merged_slices(checkpoint, model_type, kv_heads):
-    config_class, original_class, fused_class = MODELS[model_type]
-    path, original = checkpoint(original_class, tiny_config(config_class, num_key_value_heads=kv_heads))
+    config_class, original_class, fused_class = model_classes(model_type)
+    path, original = checkpoint(original_class, small_config(config_class, num_key_value_heads=kv_heads))
     model = fused_class(original.config)
     report = load_checkpoint(model, path)
     assert report.layout == "canonical" and report.unexpected == ()
@@ -507,8 +502,8 @@ def test_checkpoint_error_survives_pickling():
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_save_round_trips_bit_exact_to_the_original_class(checkpoint, tmp_path, model_type, tie, shard_size):
-    config_class, original_class, fused_class = MODELS[model_type]
-    config = tiny_config(config_class, num_key_value_heads=1, tie_word_embeddings=tie)
+    config_class, original_class, fused_class = model_classes(model_type)
+    config = small_config(config_class, num_key_value_heads=1, tie_word_embeddings=tie)
     path, original = checkpoint(original_class, config)
     model = fused_class(original.config)
     load_checkpoint(model, path)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import generated
-from fusegen.tools.coverage import model_config, random_input, random_model
 from fusegen.compiler.resolve import resolve
-from fusegen.compiler.shrink import tiny_config
 from fusegen.compiler.validate import construction_variants
-from tests.conftest import TOLERANCE
+from fusegen.testkit import TOLERANCE, max_diff, random_input, random_model, tiny_config
+
+pytestmark = pytest.mark.slow  # every checked-in model type under every construction variant
 
 BASE = {
     "vocab_size": 128,
@@ -52,11 +52,7 @@ CONFIGS = {
 def test_fused_model_matches_original(model_type, tmp_path):
     target = resolve(model_type)
     config = target.config_class(**{**BASE, **CONFIGS[model_type]})
-    torch.manual_seed(0)
-    original = target.causal_lm(config).eval()
-    with torch.no_grad():
-        for parameter in original.parameters():
-            parameter.normal_(0, 0.1)
+    original = random_model(target.causal_lm, config)
     original.save_pretrained(tmp_path / "original")
     module = importlib.import_module(f"generated.fused_{model_type}")
     fused_class = getattr(module, "Fused" + target.causal_lm.__name__)
@@ -66,9 +62,9 @@ def test_fused_model_matches_original(model_type, tmp_path):
     # Same kernels, not just same maths: MoE experts keep Transformers' grouped_mm implementation (eager for dense).
     assert fused.config._experts_implementation == original.config._experts_implementation
 
-    input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    input_ids = random_input(config)
     with torch.no_grad():
-        assert (original(input_ids).logits - fused(input_ids).logits).abs().max().item() <= TOLERANCE
+        assert max_diff(original(input_ids).logits, fused(input_ids).logits) <= TOLERANCE
     kwargs = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
     assert torch.equal(original.generate(input_ids[:1, :5], **kwargs), fused.generate(input_ids[:1, :5], **kwargs))
 
@@ -88,18 +84,18 @@ def test_checked_in_file_matches_under_every_construction_variant(model_type, tm
     q_lora_rank None vs set, tied vs untied, MQA), through the user's path: save_pretrained, the fused
     from_pretrained, logits, and a save that the original class loads back bit-identically."""
     target = resolve(model_type)
-    config = model_config(target, tiny_config(target.config_class))
+    config = tiny_config(target)
     variants = construction_variants(target, config, limit=8)
     assert variants, f"{model_type}: no construction variant found"
     fused_class = getattr(
         importlib.import_module(f"generated.fused_{model_type}"), "Fused" + target.causal_lm.__name__
     )
     for label, variant in [("tiny", config), *variants]:
-        original = random_model(target.causal_lm, variant, torch, unit_scale=True)
+        original = random_model(target.causal_lm, variant)
         original.save_pretrained(tmp_path / label)
         fused, info = fused_class.from_pretrained(tmp_path / label, output_loading_info=True)
         assert not any(info.values()), (label, info)
-        input_ids = random_input(variant, torch)
+        input_ids = random_input(variant)
         with torch.no_grad():
             expected = original(input_ids=input_ids).logits
             diff = (expected - fused.eval()(input_ids=input_ids).logits).abs().max().item()

@@ -9,8 +9,8 @@ enough to see what each one prevents.
 
 import pytest
 
-from bench.fuzz import SETUPS, Case, Harness
 from fusegen.compiler import safety
+from fusegen.tools.fuzz import SETUPS, Case, Harness
 
 Q, K, V = "q = self.q_proj(x)", "k = self.k_proj(x)", "v = self.v_proj(x)"
 

@@ -1,6 +1,6 @@
 """Property-based differential test: any forward the analysis fuses must compute what it did.
 
-Hypothesis draws forwards from bench/fuzz.py's generator: the three projection
+Hypothesis draws forwards from the fuzzer's generator (fusegen/tools/fuzz.py): the three projection
 calls interleaved with statements that read, alias, rebind or mutate the input
 (views written in place, computed callees, augmented assignment on aliases,
 reflection, in-place `operator` functions and dunders, closures, escapes,
@@ -13,10 +13,14 @@ compiler that refuses everything fails.
 
 from collections import Counter
 
+import pytest
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz import Harness, draw_case
+from fusegen.tools.fuzz import Harness, draw_case
+
+pytestmark = pytest.mark.slow  # Hypothesis draws and builds many forwards
 
 FUSED_FLOOR = 0.25
 """Measured: 30 of the 80 examples (37.5%) fuse with these settings; the floor leaves room for generator

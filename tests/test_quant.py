@@ -18,21 +18,15 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     QuantoConfig,
-    Qwen2Config,
-    Qwen2ForCausalLM,
     TorchAoConfig,
 )
 
 from fusegen.runtime.quant import QuantizationRefused
+from fusegen.testkit import MODELS, TOLERANCE, model_classes, random_model, small_config
 from generated.fused_llama import FusedLlamaForCausalLM
-from generated.fused_qwen2 import FusedQwen2ForCausalLM
-from tests.conftest import random_model, tiny_config
 
-TOLERANCE = 1e-5
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),  # q/k/v biases
-}
+pytestmark = pytest.mark.slow  # quantizers on every scheme
+
 # intermediate_size 128: bitsandbytes' CPU 4-bit kernel needs in_features divisible by its block size (64).
 OVERRIDES = {"num_key_value_heads": 2, "intermediate_size": 128}
 SCHEMES = {
@@ -66,9 +60,10 @@ def _logits(model):
 def saved(tmp_path_factory):
     """One float checkpoint per model type, saved by the original class."""
     paths = {}
-    for name, (config_class, original_class, _) in MODELS.items():
+    for name in MODELS:
+        config_class, original_class, _ = model_classes(name)
         path = tmp_path_factory.mktemp(name)
-        random_model(original_class, tiny_config(config_class, **OVERRIDES)).save_pretrained(path)
+        random_model(original_class, small_config(config_class, **OVERRIDES)).save_pretrained(path)
         paths[name] = path
     return paths
 
@@ -79,7 +74,7 @@ def saved(tmp_path_factory):
     + [("qwen2", scheme) for scheme in ("bnb-4bit-nf4", "bnb-8bit", "quanto-int8", "torchao-int8-weight-only")],
 )
 def test_fused_model_quantizes_as_the_original(saved, model_type, scheme):
-    _, original_class, fused_class = MODELS[model_type]
+    _, original_class, fused_class = model_classes(model_type)
     original = original_class.from_pretrained(saved[model_type], quantization_config=SCHEMES[scheme]())
     fused = fused_class.from_pretrained(saved[model_type], quantization_config=SCHEMES[scheme]())
     piece = original.model.layers[0].self_attn.q_proj
@@ -123,7 +118,7 @@ def test_schemes_that_are_not_row_separable_are_refused(saved, case):
 
 def test_bnb_4bit_blocks_straddling_two_pieces_are_refused(tmp_path):
     # k and v are each one head of 12 rows by 36 inputs: 432 weights, not a multiple of bitsandbytes' 64.
-    config = tiny_config(LlamaConfig, hidden_size=36, num_attention_heads=3, num_key_value_heads=1, head_dim=12)
+    config = small_config(LlamaConfig, hidden_size=36, num_attention_heads=3, num_key_value_heads=1, head_dim=12)
     random_model(LlamaForCausalLM, config).save_pretrained(tmp_path)
     with pytest.raises(QuantizationRefused, match="does not fill whole blocks of 64"):
         FusedLlamaForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(load_in_4bit=True))

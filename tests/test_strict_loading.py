@@ -28,9 +28,9 @@ from transformers.utils.loading_report import LoadStateDictInfo
 
 from fusegen.compiler.build import build
 from fusegen.runtime import CheckpointError, check_loading, load_checkpoint
+from fusegen.testkit import TOLERANCE, random_model, small_config
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
 from generated.fused_qwen3_moe import FusedQwen3MoeForCausalLM
-from tests.conftest import random_model, tiny_config
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 MOE = {"num_key_value_heads": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -79,7 +79,7 @@ def assert_loads_exactly(fused_class, path, original):
     fused, info = fused_class.from_pretrained(path, output_loading_info=True)
     assert not any(info.values()), info
     with torch.no_grad():
-        assert (original(IDS).logits - fused.eval()(IDS).logits).abs().max().item() <= 1e-5
+        assert (original(IDS).logits - fused.eval()(IDS).logits).abs().max().item() <= TOLERANCE
     return fused
 
 
@@ -88,9 +88,10 @@ def assert_loads_exactly(fused_class, path, original):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dense_layers", [0, 1, 2])
 def test_deepseek_v2_dense_first_layers_load_exactly(built, tmp_path, dense_layers):
-    config = tiny_config(DeepseekV2Config, **DEEPSEEK_V2, first_k_dense_replace=dense_layers)
+    config = small_config(DeepseekV2Config, **DEEPSEEK_V2, first_k_dense_replace=dense_layers)
     path, original = save_original(tmp_path, DeepseekV2ForCausalLM, config)
     fused = assert_loads_exactly(built["deepseek_v2"].FusedDeepseekV2ForCausalLM, path, original)
     if dense_layers:
@@ -99,6 +100,7 @@ def test_deepseek_v2_dense_first_layers_load_exactly(built, tmp_path, dense_laye
         assert torch.equal(merged, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
 
 
+@pytest.mark.slow
 def test_deepseek_v2_mapping_and_tp_plan_name_every_placement(built):
     module = built["deepseek_v2"]
     assert module.TP_PLAN["layers.*.mlp.gate_up_proj"] == "fusegen_merged_colwise"
@@ -112,15 +114,16 @@ def test_deepseek_v2_mapping_and_tp_plan_name_every_placement(built):
     [{}, {"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}, {"mlp_only_layers": [0, 1]}],
     ids=["all-sparse", "mlp-only-0", "sparse-step-2", "all-dense"],
 )
+@pytest.mark.slow
 def test_qwen2_moe_dense_layers_load_exactly(built, tmp_path, variant):
-    config = tiny_config(Qwen2MoeConfig, **QWEN2_MOE, **variant)
+    config = small_config(Qwen2MoeConfig, **QWEN2_MOE, **variant)
     path, original = save_original(tmp_path, Qwen2MoeForCausalLM, config)
     assert_loads_exactly(built["qwen2_moe"].FusedQwen2MoeForCausalLM, path, original)
 
 
 @pytest.mark.parametrize("variant", [{}, {"mlp_only_layers": [0]}], ids=["all-sparse", "mlp-only-0"])
 def test_qwen3_moe_dense_layers_load_exactly(tmp_path, variant):
-    config = tiny_config(Qwen3MoeConfig, **MOE, num_experts=4, head_dim=16, **variant)
+    config = small_config(Qwen3MoeConfig, **MOE, num_experts=4, head_dim=16, **variant)
     path, original = save_original(tmp_path, Qwen3MoeForCausalLM, config)
     assert_loads_exactly(FusedQwen3MoeForCausalLM, path, original)
 
@@ -130,6 +133,7 @@ def test_qwen3_moe_dense_layers_load_exactly(tmp_path, variant):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_stale_mapping_that_misses_the_dense_layer_raises(built, tmp_path):
     """The file the old compiler wrote (parents read off the default config) must refuse, not random-init layer 0."""
     text = Path(built["deepseek_v2"].__file__).read_text()
@@ -139,7 +143,7 @@ def test_a_stale_mapping_that_misses_the_dense_layer_raises(built, tmp_path):
     assert stale != text
     (tmp_path / "fused_deepseek_v2.py").write_text(stale)
     module = import_file(tmp_path / "fused_deepseek_v2.py", "strict_loading_stale_deepseek_v2")
-    config = tiny_config(DeepseekV2Config, **DEEPSEEK_V2, first_k_dense_replace=1)
+    config = small_config(DeepseekV2Config, **DEEPSEEK_V2, first_k_dense_replace=1)
     path, _ = save_original(tmp_path, DeepseekV2ForCausalLM, config)
     with pytest.raises(CheckpointError) as error:
         module.FusedDeepseekV2ForCausalLM.from_pretrained(path)
@@ -154,7 +158,7 @@ def without(path, name):
 
 
 def test_missing_k_proj_raises_through_from_pretrained_and_load_checkpoint(checkpoint):
-    path, original = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    path, original = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     without(path, "model.layers.1.self_attn.k_proj.weight")
     with pytest.raises(CheckpointError) as error:
         FusedLlamaForCausalLM.from_pretrained(path)
@@ -166,7 +170,7 @@ def test_missing_k_proj_raises_through_from_pretrained_and_load_checkpoint(check
 
 
 def test_missing_all_pieces_raises(checkpoint):
-    path, _ = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    path, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     for piece in ("gate_proj", "up_proj"):
         without(path, f"model.layers.0.mlp.{piece}.weight")
     with pytest.raises(CheckpointError, match="none of its pieces") as error:
@@ -177,7 +181,7 @@ def test_missing_all_pieces_raises(checkpoint):
 def test_an_unmappable_q_proj_under_a_new_parent_leaves_nothing_random(checkpoint):
     """It maps nowhere, but no merged parameter misses it: from_pretrained loads exactly and reports it as unexpected;
     load_checkpoint (strict) refuses it."""
-    path, original = checkpoint(LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2))
+    path, original = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     state = load_file(path / "model.safetensors")
     extra = "model.layers.0.cross_attn.q_proj.weight"
     state[extra] = torch.zeros(64, 64)
@@ -193,13 +197,13 @@ def test_an_unmappable_q_proj_under_a_new_parent_leaves_nothing_random(checkpoin
 
 def test_base_model_from_a_causal_lm_checkpoint_and_tied_heads_still_load(checkpoint, tmp_path):
     path, original = checkpoint(
-        LlamaForCausalLM, tiny_config(LlamaConfig, num_key_value_heads=2, tie_word_embeddings=True)
+        LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2, tie_word_embeddings=True)
     )
     base, info = FusedLlamaModel.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
         expected = original.model(IDS).last_hidden_state
-        assert (base.eval()(IDS).last_hidden_state - expected).abs().max().item() <= 1e-5
+        assert (base.eval()(IDS).last_hidden_state - expected).abs().max().item() <= TOLERANCE
     fused, info = FusedLlamaForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not any(info.values()), info
     assert fused.lm_head.weight is fused.model.embed_tokens.weight
@@ -219,7 +223,7 @@ def info(missing=(), unexpected=(), errors=None):
 def test_a_piece_renamed_to_a_merged_name_the_model_lacks_raises_when_its_own_piece_is_missing():
     """An unfused module at a scoped path: its q_proj renamed to a qkv_proj it does not have, its own q_proj missing."""
     with torch.device("meta"):
-        model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+        model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
     renamed = "model.layers.0.cross_attn.qkv_proj.weight"
     check_loading(model, info(unexpected=[renamed]))  # nothing of the model is missing: fine
     model.model.layers[0].cross_attn = torch.nn.Module()
@@ -232,7 +236,7 @@ def test_a_piece_renamed_to_a_merged_name_the_model_lacks_raises_when_its_own_pi
 
 def test_ordinary_missing_keys_are_left_to_transformers():
     with torch.device("meta"):
-        model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+        model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
     check_loading(model, info(missing=["lm_head.weight", "model.norm.weight"], unexpected=["model.extra.weight"]))
     with pytest.raises(CheckpointError, match="qkv_proj"):
         check_loading(

@@ -10,7 +10,6 @@ Measured numbers (logit differences, bytes read and peak RSS per rank) are print
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import socket
@@ -22,20 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    FalconConfig,
-    FalconForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    GPTBigCodeConfig,
-    GPTBigCodeForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from fusegen.runtime.tp import (
     LOCAL_HEADS,
@@ -47,23 +33,15 @@ from fusegen.runtime.tp import (
     fused_plan_from,
     partition_rows,
 )
+from fusegen.testkit import TOLERANCE, model_classes, original_classes, random_model, small_config
 from generated.fused_llama import STACKED_PARAMS_MAPPING, TP_PLAN, FusedLlamaForCausalLM
-from tests.conftest import random_model, tiny_config
+
+pytestmark = pytest.mark.slow  # torchrun launches and multi-rank loads
 
 LAUNCH_TIMEOUT = 300  # seconds for one multi-process launch, interpreter start-up included (2 shared CPU cores)
 GROUP_TIMEOUT = 60  # seconds gloo waits on a collective before failing
-TOLERANCE = 1e-5
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, "FusedLlamaForCausalLM"),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, "FusedQwen2ForCausalLM"),
-    # Checkpoints that store q/k/v packed: nothing to fuse, the original class is sharded (apply_packed_tp_plan).
-    "phi3": (Phi3Config, Phi3ForCausalLM, None),
-    "gpt2": (GPT2Config, GPT2LMHeadModel, None),  # c_attn is a Conv1D: weight (in, out)
-    "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM, None),
-    "falcon": (FalconConfig, FalconForCausalLM, None),  # query_key_value: per kv group, [q | k | v] or per head
-}
 TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # the defaults lie outside the tiny vocabulary
-# name -> (model type, config overrides, how the case runs). Heads are 4 unless overridden (tests/conftest.py TINY).
+# name -> (model type, config overrides, how the case runs). Heads are 4 unless overridden (fusegen/testkit.py SMALL).
 CASES = {
     2: {
         "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),
@@ -162,9 +140,8 @@ def _counting_reads():
 
 
 def _classes(model_type):
-    _, original_class, fused_name = MODELS[model_type]
-    module = importlib.import_module(f"generated.fused_{model_type}")
-    return original_class, getattr(module, fused_name)
+    _, original_class, fused_class = model_classes(model_type)
+    return original_class, fused_class
 
 
 def _compare(model_type, path, how):
@@ -304,7 +281,7 @@ def _packed(model_type, path, how):
     """The original class sharded by `apply_packed_tp_plan`, against the same class in one process."""
     from fusegen.runtime.tp import PACKED_ATTENTION, apply_packed_tp_plan
 
-    _, original_class, _ = MODELS[model_type]
+    _, original_class = original_classes(model_type)
     tp = original_class.from_pretrained(path).eval()
     if how == "refuse-packed":
         before = {name: tensor.clone() for name, tensor in tp.state_dict().items()}
@@ -338,7 +315,7 @@ def _packed_grads(model_type, path):
     """Every parameter's gradient under `apply_packed_tp_plan` against the single-process one (this rank's slice)."""
     from fusegen.runtime.tp import PACKED_COLWISE, PACKED_ROWWISE, _is_conv1d, apply_packed_tp_plan
 
-    _, original_class, _ = MODELS[model_type]
+    _, original_class = original_classes(model_type)
     tp, single = (original_class.from_pretrained(path).eval() for _ in range(2))
     plan = apply_packed_tp_plan(tp)
     input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -443,9 +420,9 @@ def _checkpoints(root: Path, cases: dict) -> dict:
     """Save one random original-class checkpoint per case; the cases as the workers take them."""
     prepared = {}
     for name, (model_type, overrides, how) in cases.items():
-        config_class, original_class, _ = MODELS[model_type]
+        config_class, original_class = original_classes(model_type)
         path = root / name
-        random_model(original_class, tiny_config(config_class, **overrides)).save_pretrained(path)
+        random_model(original_class, small_config(config_class, **overrides)).save_pretrained(path)
         prepared[name] = (model_type, str(path), how)
     return prepared
 
@@ -655,7 +632,7 @@ def test_plan_is_refused_for_pieces_that_are_not_colwise():
 
 
 def test_built_model_plan_names_only_modules_it_has():
-    model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+    model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
     names = {name for name, _ in model.named_modules()}
     for rule in model.tp_plan:
         assert rule.replace("*", "0") in names, rule
@@ -674,7 +651,7 @@ def _split(model, tensor):
 
 def test_saving_splits_the_gathered_merged_tensor_into_q_k_v():
     # full_tensor() of a MergedRowShard parameter is the true [q; k; v], whatever the rank's local blocks.
-    model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=2))
+    model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
     qkv = model.model.layers[0].self_attn.qkv_proj
     q, k, v = torch.randn(64, 3), torch.randn(32, 3), torch.randn(32, 3)
     qkv.tp_partition = RowPartition((64, 32, 32), (0, 0, 0), (32, 16, 16), 2, 0)
@@ -691,7 +668,7 @@ def test_unblock_reorders_rank_blocks_into_pieces():
 
 
 def test_saving_refuses_replicated_kv_heads():
-    model = FusedLlamaForCausalLM(tiny_config(LlamaConfig, num_key_value_heads=1))
+    model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=1))
     qkv = model.model.layers[0].self_attn.qkv_proj
     qkv.tp_partition = RowPartition((64, 16, 16), (0, 0, 0), (32, 16, 16), 2, 0)
     with pytest.raises(ValueError, match="replicated"):
@@ -710,7 +687,7 @@ def test_packed_qkv_tp_gradients_match_single_process(launched, world_size, name
 def test_packed_plan_refuses_a_model_without_a_listed_packed_attention():
     from fusegen.runtime.tp import apply_packed_tp_plan
 
-    model = LlamaForCausalLM(tiny_config(LlamaConfig))  # separate q/k/v: the fused file's TP_PLAN is for it
+    model = LlamaForCausalLM(small_config(LlamaConfig))  # separate q/k/v: the fused file's TP_PLAN is for it
     with pytest.raises(ValueError, match=r"llama: no attention module of a packed-QKV class \(Phi3Attention"):
         apply_packed_tp_plan(model)
 
@@ -719,7 +696,7 @@ def test_packed_plan_refuses_falcon_alibi():
     # FalconModel builds the alibi slopes for all heads; a local head count would view them wrongly.
     from fusegen.runtime.tp import apply_packed_tp_plan
 
-    model = FalconForCausalLM(tiny_config(FalconConfig, alibi=True, new_decoder_architecture=False))
+    model = FalconForCausalLM(small_config(FalconConfig, alibi=True, new_decoder_architecture=False))
     with pytest.raises(ValueError, match="alibi is built for all heads"):
         apply_packed_tp_plan(model)
 
@@ -729,7 +706,7 @@ def test_local_heads_config_reads_through_and_survives_a_deep_copy():
 
     from fusegen.runtime.tp import _LocalHeadsConfig
 
-    config = tiny_config(LlamaConfig, num_key_value_heads=2)
+    config = small_config(LlamaConfig, num_key_value_heads=2)
     local = _LocalHeadsConfig(config, num_attention_heads=2, num_key_value_heads=1)
     config._attn_implementation = "eager"  # set later on the model's config: seen through the view
     assert (local.num_attention_heads, local.num_key_value_heads, local.hidden_size) == (2, 1, 64)

@@ -102,6 +102,7 @@ def test_arguments_the_forward_does_not_take_fall_back_to_synthetic_inputs():
     assert [plan.merged for plan in find_groups(trace.graph, module)] == ["qkv_proj"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model_type", "class_name"),
     [
@@ -117,6 +118,7 @@ def test_traces_that_used_to_stop_reach_the_end(model_type, class_name):
     assert outcomes[class_name].trace_error is None
 
 
+@pytest.mark.slow
 def test_gemma4_attention_is_traced_to_its_qkv_group():
     outcome = next(o for o in analyse("gemma4_text").outcomes if o.class_name == "Gemma4TextAttention")
     assert outcome.trace_error is None

@@ -9,21 +9,16 @@ import importlib
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from fusegen.compiler import rewrite_forward
 from fusegen.compiler.build import build
-from generated.fused_llama import FusedLlamaForCausalLM
-from generated.fused_qwen2 import FusedQwen2ForCausalLM
+from fusegen.testkit import GRAD_TOLERANCE, MODELS, TOLERANCE, model_classes, random_model, small_config
 from tests import test_hazards
-from tests.conftest import GRAD_TOLERANCE, TOLERANCE, tiny_config
 from tests.test_hazards import GLU_INIT, write_case
 
+pytestmark = pytest.mark.slow  # training steps and toy builds with validation
+
 case_path = test_hazards.case_path  # the hazard tests' fixture: a package dir on sys.path for toy modules
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, FusedLlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, FusedQwen2ForCausalLM),
-}
 
 # The toy block's forward writes projection outputs in place, each in another spelling; q/k/v are only read.
 IN_PLACE_FORWARDS = {
@@ -86,8 +81,8 @@ def assert_same_training(original, fused, input_ids, checkpointing=False):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_llama_and_qwen2_train_like_the_original(checkpoint, model_type, checkpointing):
-    config_class, original_class, fused_class = MODELS[model_type]
-    path, _ = checkpoint(original_class, tiny_config(config_class, num_key_value_heads=2, attention_dropout=0.0))
+    config_class, original_class, fused_class = model_classes(model_type)
+    path, _ = checkpoint(original_class, small_config(config_class, num_key_value_heads=2, attention_dropout=0.0))
     original = original_class.from_pretrained(path)
     fused, info = fused_class.from_pretrained(path, output_loading_info=True)
     assert not any(info.values()), info
@@ -116,11 +111,7 @@ def test_in_place_writes_on_projection_outputs_train_like_the_original(case_path
     (case_path / "hazard_cases" / f"fused_inplace_{spelling}.py").write_text(result.text)
     original_module = importlib.import_module(dotted)
     fused_module = importlib.import_module(f"hazard_cases.fused_inplace_{spelling}")
-    torch.manual_seed(0)
-    original = original_module.ToyForCausalLM(original_module.ToyConfig())
-    with torch.no_grad():
-        for parameter in original.parameters():
-            parameter.normal_(0, 0.2)
+    original = random_model(original_module.ToyForCausalLM, original_module.ToyConfig())
     original.save_pretrained(tmp_path / "toy")
     fused, info = fused_module.FusedToyForCausalLM.from_pretrained(tmp_path / "toy", output_loading_info=True)
     assert not any(info.values()), info
@@ -148,14 +139,13 @@ def test_olmo_clip_qkv_trains_like_the_original():
     build must clone the clamped pieces anyway, and with the clones removed validation under clip_qkv fails.
     """
     from fusegen.compiler import validate
-    from fusegen.tools.coverage import model_config
-    from fusegen.compiler.shrink import tiny_config as shrunk
+    from fusegen.testkit import tiny_config
 
     result = build("olmo")
     assert "q_proj_out = q_proj_out.clone()" in result.text and "v_proj_out = v_proj_out.clone()" in result.text
     assert "gate_proj_out = gate_proj_out.clone()" not in result.text  # the MLP writes nothing in place
     target = result.target
-    config = model_config(target, shrunk(target.config_class, clip_qkv=0.5))
+    config = tiny_config(target, clip_qkv=0.5)
     unfixed = "\n".join(line for line in result.text.splitlines() if not line.strip().endswith("_out.clone()"))
     checks = {}
     for name, text in (("fixed", result.text), ("unfixed", unfixed)):

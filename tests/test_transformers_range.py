@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from fusegen.compiler.build import build
 from fusegen.runtime import load_checkpoint
@@ -27,13 +26,11 @@ from fusegen.runtime.version import (
     check_source,
     source_sha256,
 )
-from tests.conftest import random_model, tiny_config
+from fusegen.testkit import MODELS, TOLERANCE, original_classes, random_model, small_config
+
+pytestmark = pytest.mark.slow  # builds under the installed Transformers and imports in fresh processes
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, "FusedLlamaForCausalLM"),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, "FusedQwen2ForCausalLM"),
-}
 
 
 def _built_module(model_type: str, directory: Path):
@@ -50,18 +47,19 @@ def _built_module(model_type: str, directory: Path):
 
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_build_and_load_under_the_installed_transformers(model_type, tmp_path):
-    config_class, original_class, fused_name = MODELS[model_type]
+    config_class, original_class = original_classes(model_type)
+    fused_name = "Fused" + original_class.__name__
     fused_class = getattr(_built_module(model_type, tmp_path), fused_name)
-    original = random_model(original_class, tiny_config(config_class, num_key_value_heads=2))
+    original = random_model(original_class, small_config(config_class, num_key_value_heads=2))
     original.save_pretrained(tmp_path / "original")
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     fused = fused_class.from_pretrained(tmp_path / "original").eval()
     with torch.no_grad():
         expected = original(ids).logits
-        assert (fused(ids).logits - expected).abs().max().item() <= 1e-5
+        assert (fused(ids).logits - expected).abs().max().item() <= TOLERANCE
         streamed = fused_class(fused.config).eval()
         load_checkpoint(streamed, tmp_path / "original")
-        assert (streamed(ids).logits - expected).abs().max().item() <= 1e-5
+        assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
     fused.save_pretrained(tmp_path / "saved")
     reloaded = original_class.from_pretrained(tmp_path / "saved").state_dict()
     assert all(torch.equal(reloaded[key], value) for key, value in original.state_dict().items())

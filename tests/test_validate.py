@@ -9,10 +9,11 @@ from transformers import conversion_mapping
 
 import fusegen.compiler.build
 from fusegen.compiler.build import build
-from fusegen.tools.coverage import model_config
 from fusegen.compiler.resolve import resolve
-from fusegen.compiler.shrink import tiny_config
-from fusegen.compiler.validate import TOLERANCE, Check, check_config, construction_variants, validate
+from fusegen.compiler.validate import Check, check_config, construction_variants, validate
+from fusegen.testkit import TOLERANCE, tiny_config
+
+pytestmark = pytest.mark.slow  # builds llama with validation several times
 
 GLU_LINE = "down_proj = self.down_proj(self.act_fn(gate_proj_out) * up_proj_out)"
 GLU_SWAPPED = "down_proj = self.down_proj(self.act_fn(up_proj_out) * gate_proj_out)"
@@ -125,7 +126,7 @@ def test_validation_leaves_no_trace(llama):
 )
 def test_construction_variants_are_the_fields_that_change_the_model(model_type, expected):
     target = resolve(model_type)
-    config = model_config(target, tiny_config(target.config_class))
+    config = tiny_config(target)
     labels = [label for label, _ in construction_variants(target, config, limit=10)]
     assert expected <= set(labels), labels
     fields = {label.partition("=")[0] for label in labels}
@@ -138,7 +139,7 @@ def test_a_config_the_original_cannot_run_is_skipped_not_passed():
             raise ValueError("this config is not supported")
 
     target = resolve("llama")
-    check = check_config("x=1", Broken, None, tiny_config(target.config_class), {}, set())
+    check = check_config("x=1", Broken, None, tiny_config(target), {}, set())
     assert check == Check("x=1", "skipped", check.detail) and "not supported" in check.detail
 
 

@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fusegen.errors import first_line as _first_line
+from fusegen.errors import short_error as _short
+
 TOLERANCE = 1e-5
 """Max |logit difference| (fp32, logits of order 1), the one tolerance the build, the tests, coverage and the benches
 share. Validation holds logits to it times their scale when that exceeds 1, since rounding is relative.
@@ -112,8 +115,8 @@ def validate(target, text: str, checkpointing: bool = False) -> Validation:
 
 
 def _validate_into(validation: Validation, target, text: str, tiny_steps: tuple[str, ...]) -> None:
-    from fusegen.tools.coverage import model_config
     from fusegen.compiler.shrink import ShrinkError, tiny_config
+    from fusegen.testkit import model_config
 
     with _quiet(), _isolated(text, target) as module:
         fused_class = getattr(module, "Fused" + target.causal_lm.__name__, None)
@@ -181,11 +184,11 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
     and 3e-19 in fp64), while any real fault still moves results by orders of magnitude more. fp32 when the
     original does not run in fp64 (a kernel without a double version).
     """
-    from fusegen.tools.coverage import random_input, random_model
+    from fusegen.testkit import random_input, random_model
 
     try:
-        original = random_model(original_class, config, torch, unit_scale=True).to(dtype)
-        input_ids = random_input(config, torch)
+        original = random_model(original_class, config).to(dtype)
+        input_ids = random_input(config)
     except Exception as error:  # noqa: BLE001 - upstream code: the original cannot build this config
         raise _Skip(f"the original does not build: {_short(error)}") from None
     fused = None
@@ -420,8 +423,8 @@ def construction_variants(target, config, limit: int = MAX_VARIANTS) -> list[tup
     tiny config's and from every variant kept so far (module types and paths, parameter names and shapes, tying);
     one whose config or model does not build is dropped. A false alarm costs one more check, a miss one less.
     """
-    from fusegen.tools.coverage import model_config
     from fusegen.compiler.shrink import tiny_config
+    from fusegen.testkit import model_config
 
     seen = {_structure(target, config)}
     variants = []
@@ -623,15 +626,3 @@ class _quiet:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity(self.level)
-
-
-def _first_line(error: BaseException) -> str:
-    from fusegen.tools.coverage import _first_line as first_line
-
-    return first_line(error)
-
-
-def _short(error: BaseException) -> str:
-    from fusegen.tools.coverage import _short as short
-
-    return short(error)

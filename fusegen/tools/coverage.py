@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fusegen.compiler.validate import TOLERANCE  # the one logit tolerance (see fusegen/compiler/validate.py)
+from fusegen.errors import first_line as _first_line
+from fusegen.errors import short_error as _short
+from fusegen.testkit import TOLERANCE, model_config, random_input, random_model  # the one kit (fusegen/testkit.py)
 
-NOISE = 0.05
 SEED = 0
 BATCH, LENGTH = 2, 12
 NEW_TOKENS = 4
@@ -201,7 +202,7 @@ def _verify_in(tmp: Path, model_type: str, text: str, torch) -> Verification:
     except ShrinkError as error:
         return Verification("skipped", reason=f"no tiny config: {_first_line(error)}")
     try:
-        original = random_model(target.causal_lm, config, torch)
+        original = random_model(target.causal_lm, config)
     except Exception as error:  # noqa: BLE001
         return Verification("skipped", reason=f"original does not build from the tiny config: {_short(error)}")
 
@@ -222,7 +223,7 @@ def _verify_in(tmp: Path, model_type: str, text: str, torch) -> Verification:
     if unused:
         return Verification("failed", reason=f"fused model never instantiates {', '.join(unused)}")
 
-    input_ids = random_input(config, torch)
+    input_ids = random_input(config)
     notes = [f"not in the tiny model: {', '.join(unexercised)}"] if unexercised else []
     try:
         expected, kwargs = _reference_logits(original, input_ids, torch)
@@ -245,22 +246,6 @@ def _verify_in(tmp: Path, model_type: str, text: str, torch) -> Verification:
     if greedy == "differ" or greedy.startswith("fused generate fails"):
         return Verification("mismatch", diff, greedy, f"greedy tokens: {greedy}")
     return Verification("verified", diff, greedy, "; ".join(notes))
-
-
-def model_config(target, config):
-    """The config the causal LM takes: the composite config's text part when the class is built from that.
-
-    `MODEL_FOR_CAUSAL_LM_MAPPING` maps some composite model types (`qwen3_5`, `llama4`) to a text-only causal LM
-    whose `config_class` is the text config; the compiler builds those from the text part too.
-    """
-    wanted = getattr(target.causal_lm, "config_class", None)
-    if wanted is None or isinstance(config, wanted):
-        return config
-    try:
-        text = config.get_text_config()
-    except Exception:  # noqa: BLE001 - no unambiguous text part: keep the config as it is
-        return config
-    return text if isinstance(text, wanted) else config
 
 
 def import_causal_lm(tmp: Path, model_type: str, text: str, original_name: str) -> type:
@@ -316,44 +301,6 @@ def unused_fused_classes(original, fused) -> tuple[list[str], list[str]]:
     return unused, unexercised
 
 
-def random_model(model_class, config, torch, unit_scale: bool = False):
-    """The original class in fp32 eval mode, every parameter drawn from N(0, NOISE) (biases and norms too).
-
-    `unit_scale`: draw matrices from N(0, 1/fan_in) and vectors (norm weights, biases) from N(0, 1) instead, so
-    activations and logits stay of order 1 through the layers. With N(0, NOISE) norms shrink every layer's output
-    twentyfold and a real fault (gate and up swapped) can move the logits by as little as 1e-5.
-    """
-    torch.manual_seed(SEED)
-    model = model_class(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if not parameter.is_floating_point():
-                continue
-            if unit_scale:
-                fan_in = parameter[0].numel() if parameter.dim() > 1 else 1
-                parameter.normal_(0.0, fan_in**-0.5)
-            else:
-                parameter.normal_(0.0, NOISE)
-    return model
-
-
-def random_input(config, torch):
-    """Fixed random token ids, avoiding every special token id of the config (image/audio placeholders included)."""
-    text_config = config.get_text_config(decoder=True)
-    vocab = getattr(text_config, "vocab_size", None) or 256
-    special = set()
-    for source in (config, text_config):
-        for name in dir(source):
-            if name.endswith(("token_id", "token_index", "token_ids")) and not name.startswith("_"):
-                value = getattr(source, name, None)
-                special.update(
-                    v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int)
-                )
-    allowed = torch.tensor([i for i in range(min(vocab, 1024)) if i not in special])
-    generator = torch.Generator().manual_seed(SEED + 1)
-    return allowed[torch.randint(0, len(allowed), (BATCH, LENGTH), generator=generator)]
-
-
 def _reference_logits(original, input_ids, torch):
     """The original's logits, and the extra forward arguments they needed (`use_cache=False` if the cache breaks)."""
     try:
@@ -395,18 +342,6 @@ def compare_greedy(original, fused, prompt, torch) -> str:
     except Exception as error:  # noqa: BLE001
         return f"fused generate fails: {_short(error)}"
     return "same" if torch.equal(expected, actual) else "differ"
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return " ".join(lines[:2])[:300]
-
-
-def _short(error: BaseException) -> str:
-    """`Type: message` plus where in the source it was raised (file:line), for triage."""
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f" [{Path(frames[-1].filename).name}:{frames[-1].lineno}]" if frames else ""
-    return f"{type(error).__name__}: {_first_line(error)}{where}"
 
 
 # --- the whole run ---------------------------------------------------------------------------------------------------
@@ -541,7 +476,7 @@ def render_markdown(rows: list[Row]) -> str:
         "",
         (
             f"Verification: the original causal LM is built from a tiny config (`fusegen/compiler/shrink.py`), every parameter drawn "
-            f"from N(0, {NOISE}), saved with `save_pretrained`, and loaded into the fused class with `from_pretrained` "
+            "by `fusegen.testkit.randomise` (matrices N(0, 1/fan_in), vectors N(0, 1)), saved with `save_pretrained`, and loaded into the fused class with `from_pretrained` "
             f"(any missing, unexpected or mismatched key fails). Logits on a fixed random {BATCH}x{LENGTH} input must agree "
             f"within {TOLERANCE:g} (fp32), and {NEW_TOKENS} greedy tokens must be identical."
         ),

@@ -17,11 +17,10 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from fusegen.tools.convert import _empty_or_absent, causal_lm_class, import_fused_module, read_config
-from fusegen.errors import FusegenError, InputError
+from fusegen.errors import EXIT_OK, InputError, command
 from fusegen.runtime.auto import CONFIG_NAME, canonical_architectures
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -73,12 +72,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+@command
 def run(args: argparse.Namespace) -> int:
-    """Exit 0 on success, 2 on bad input (message on stderr as `fusegen: error: ...`)."""
+    """Exit 0 on success, 2 on bad input (one `fusegen: error:` line, through `fusegen.errors.command`)."""
     try:
         out = export(args.checkpoint_dir, args.out_dir, args.model, generated_dir=args.generated_dir)
-    except (FusegenError, OSError, ValueError) as error:
-        print(f"fusegen: error: {error}", file=sys.stderr)
-        return 2
+    except ValueError as error:  # a config.json Transformers cannot parse, say: the input's fault, not ours
+        raise InputError(str(error)) from error
     print(f"wrote {out} (loads as the fused class with trust_remote_code=True)")
-    return 0
+    return EXIT_OK

@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from fusegen.tools.convert import causal_lm_class, import_fused_module, read_config
 from fusegen.errors import EXIT_DRIFT, EXIT_OK, InputError, command
 from fusegen.runtime.loading import FUSED, LAYOUT_KEY, load_checkpoint, open_checkpoint
+from fusegen.testkit import TOLERANCE
+from fusegen.tools.convert import causal_lm_class, import_fused_module, read_config
 
 EXIT_MISMATCH = EXIT_DRIFT
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-FP32_TOLERANCE = 1e-5
+FP32_TOLERANCE = TOLERANCE  # the one fp32 tolerance (fusegen/testkit.py)
 # bf16 keeps 8 significant bits: neighbouring values are 2**-7 * |x| apart. The fused GEMM accumulates in a different
 # order than three separate ones, so an output element may round to the neighbouring bf16 value, and that difference
 # travels through every later layer; it is expected, not a fault. An absolute bound cannot fit logits of every scale,

@@ -1,0 +1,325 @@
+"""The one test kit: random models, small configs, checkpoint pairs, random inputs and the tolerance.
+
+Shared by the tests, `bench/`, the tools (coverage) and the compiler's own validation (`fusegen/compiler/validate.py`),
+so every equivalence figure in the project comes from the same initialisation and is held to the same bound. One
+place for each: a test that drew its weights some other way could pass where the build's validation fails, or
+the other way round, and nobody would know which figure to believe.
+
+- `random_model` / `randomise`: THE initialisation policy (see `randomise`).
+- `small_config`: the hand-written 2-layer config of the llama-like test models (`SMALL`).
+- `tiny_config`: any model type's config shrunk generically (`fusegen.compiler.shrink`), text part selected.
+- `save_random`, `load_pair`: an original checkpoint saved once, and original + fused both loaded from it.
+- `random_input`: fixed token ids that avoid the config's special tokens.
+- `TOLERANCE`, `GRAD_TOLERANCE`: defined by the compiler's validation, which holds every build to them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+from fusegen.compiler.validate import GRAD_TOLERANCE, TOLERANCE
+
+__all__ = [
+    "BATCH",
+    "GRAD_TOLERANCE",
+    "LENGTH",
+    "MODELS",
+    "SEED",
+    "SMALL",
+    "TOLERANCE",
+    "load_fused",
+    "load_pair",
+    "max_diff",
+    "model_classes",
+    "model_config",
+    "original_classes",
+    "random_input",
+    "random_model",
+    "randomise",
+    "save_random",
+    "small_config",
+    "tiny_config",
+    "toy_source",
+]
+
+SEED = 0
+BATCH, LENGTH = 2, 12
+"""`random_input`'s default shape: two sequences of twelve tokens."""
+
+MODELS = ("llama", "qwen2")
+"""The model types the runtime tests run on: llama (no biases) and qwen2 (q/k/v biases); see `model_classes`."""
+
+SMALL = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+}
+"""`small_config`'s sizes: 2 layers, hidden 64, 4 heads, vocab 128 (the kv-head count is left to each test)."""
+
+
+# --- models and configs ----------------------------------------------------------------------------------------------
+
+
+def model_classes(model_type: str) -> tuple[type, type, type]:
+    """`(config class, original causal LM, fused causal LM)` of a model type with a checked-in fused file.
+
+    The fused file is imported as `generated.fused_<type>` from a checkout (the repository root on `sys.path`, as
+    pytest and bench set it), else as `fusegen.models.fused_<type>` from an installed fusegen; one process uses one
+    of the two, so a class is never compared with its own copy.
+    """
+    config_class, original_class = original_classes(model_type)
+    return config_class, original_class, getattr(_fused_module(model_type), "Fused" + original_class.__name__)
+
+
+def original_classes(model_type: str) -> tuple[type, type]:
+    """`(config class, original causal LM)` of a model type, without importing any fused file."""
+    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    return config_class, MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
+
+
+def _fused_module(model_type: str):
+    try:
+        return importlib.import_module(f"generated.fused_{model_type}")
+    except ModuleNotFoundError as error:
+        if error.name != "generated":
+            raise  # the checkout's package exists but lacks this file, or the file's own import fails: say so
+        return importlib.import_module(f"fusegen.models.fused_{model_type}")
+
+
+def small_config(config_class, **overrides):
+    """A llama-like config with `SMALL`'s sizes and `overrides` (`num_key_value_heads=2`, ...)."""
+    return config_class(**{**SMALL, **overrides})
+
+
+def model_config(target, config):
+    """The config the causal LM takes: the composite config's text part when the class is built from that.
+
+    `MODEL_FOR_CAUSAL_LM_MAPPING` maps some composite model types (`qwen3_5`, `llama4`) to a text-only causal LM
+    whose `config_class` is the text config; the compiler builds those from the text part too.
+    """
+    wanted = getattr(target.causal_lm, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    try:
+        text = config.get_text_config()
+    except Exception:  # noqa: BLE001 - no unambiguous text part: keep the config as it is
+        return config
+    return text if isinstance(text, wanted) else config
+
+
+def tiny_config(target, **overrides):
+    """`target`'s config (a resolved target: `config_class`, `causal_lm`) shrunk by `fusegen.compiler.shrink`, with
+    `overrides`, as the causal LM takes it. Raises `ShrinkError` when no tiny config can be made."""
+    from fusegen.compiler.shrink import tiny_config as shrunk
+
+    return model_config(target, shrunk(target.config_class, **overrides))
+
+
+# --- the initialisation policy ---------------------------------------------------------------------------------------
+
+
+def randomise(model: torch.nn.Module, select=None) -> torch.nn.Module:
+    """Draw every floating-point parameter of `model` afresh, in place, from the global RNG; returns `model`.
+    `select(name)` limits it to some parameters (an adapter's `lora_` tensors, say; PEFT starts B at zero, which
+    would hide a dropped or misplaced tensor).
+
+    Matrices from N(0, 1/fan_in), vectors (norm weights, biases) from N(0, 1). Every tensor is drawn, biases and
+    norms too, so a mis-sliced bias or a norm applied to the wrong piece shows. The scale keeps activations and
+    logits of order 1 through the layers, which is what `TOLERANCE` is calibrated for: smaller weights (N(0, 0.05),
+    say) shrink each layer's output so much that a real fault (gate and up swapped) moves the logits by as little as
+    1e-5, and a check at 1e-5 then passes what it should catch; larger ones saturate softmaxes and blow rounding up.
+    """
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not parameter.is_floating_point() or (select is not None and not select(name)):
+                continue
+            fan_in = parameter[0].numel() if parameter.dim() > 1 else 1
+            parameter.normal_(0.0, fan_in**-0.5)
+    return model
+
+
+def random_model(model_class, config, seed: int = SEED):
+    """`model_class(config)` in fp32 eval mode with `randomise`'s weights, seeded by `seed` (built after seeding, so
+    buffers drawn at construction are reproducible too)."""
+    torch.manual_seed(seed)
+    return randomise(model_class(config).to(torch.float32).eval())
+
+
+def random_input(config, batch: int = BATCH, length: int = LENGTH, seed: int = SEED + 1) -> torch.Tensor:
+    """Fixed random token ids `(batch, length)` below min(vocab, 1024), avoiding every special token id of the
+    config (image/audio placeholders included), so a multimodal model's text path is what runs."""
+    text_config = config.get_text_config(decoder=True)
+    vocab = getattr(text_config, "vocab_size", None) or 256
+    special = set()
+    for source in (config, text_config):
+        for name in dir(source):
+            if name.endswith(("token_id", "token_index", "token_ids")) and not name.startswith("_"):
+                value = getattr(source, name, None)
+                special.update(
+                    v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int)
+                )
+    allowed = torch.tensor([i for i in range(min(vocab, 1024)) if i not in special])
+    generator = torch.Generator().manual_seed(seed)
+    return allowed[torch.randint(0, len(allowed), (batch, length), generator=generator)]
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------------
+
+
+def save_random(model_class, config, path: Path, seed: int = SEED, **save_kwargs):
+    """A `random_model` saved with `save_pretrained` to `path`; returns the model."""
+    model = random_model(model_class, config, seed)
+    model.save_pretrained(path, **save_kwargs)
+    return model
+
+
+def load_fused(path: Path, **kwargs):
+    """The fused causal LM of the checkpoint's model type, `from_pretrained(path, **kwargs)`, in eval mode.
+
+    Raises `AssertionError` naming the tensors when the load reports any missing, unexpected or mismatched key: a
+    comparison against a model with random leftovers would measure nothing.
+    """
+    from transformers import AutoConfig
+
+    _, _, fused_class = model_classes(AutoConfig.from_pretrained(path).model_type)
+    fused, info = fused_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    problems = {key: value for key, value in info.items() if value}
+    assert not problems, f"{fused_class.__name__}.from_pretrained({path}): {problems}"
+    return fused.eval()
+
+
+def load_pair(path: Path, **kwargs):
+    """`(original, fused)` both `from_pretrained(path, **kwargs)` from the one saved checkpoint, eval mode."""
+    from transformers import AutoConfig
+
+    _, original_class, _ = model_classes(AutoConfig.from_pretrained(path).model_type)
+    original = original_class.from_pretrained(path, **kwargs).eval()
+    return original, load_fused(path, **kwargs)
+
+
+def max_diff(expected: torch.Tensor, actual: torch.Tensor) -> float:
+    """Max |expected - actual| as a float (what every equivalence assertion holds to `TOLERANCE`)."""
+    return (expected.float() - actual.float()).abs().max().item()
+
+
+# --- toy models ------------------------------------------------------------------------------------------------------
+
+
+def toy_source(model_type: str, init: str, forward: str, extra: str = "", layer: str = "") -> str:
+    """The source of a toy causal LM (config, `ToyBlock` with q/k/v projections, layer, model, head) written as a
+    module of its own, so it compiles through the same path as a Transformers model type (`fusegen build
+    <dotted path>`): `init` is the block's extra `__init__` lines, `forward` its forward body, `extra` goes at module
+    level (helpers, subclasses, global hooks), `layer` into `ToyLayer.__init__` after the block is built (hooks,
+    replacements). The hazard tests and the fuzzer (`fusegen.tools.fuzz`) write their cases with it."""
+    source = TOY_MODULE.replace("{model_type}", model_type).replace("{init}", init.rstrip("\n") or "        pass")
+    source = source.replace("{extra}", extra.rstrip("\n")).replace("{layer}", layer.rstrip("\n"))
+    return source.replace("{forward}", forward.rstrip("\n"))
+
+
+TOY_MODULE = """
+import inspect
+import operator
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+
+def apply(module, x):
+    return module(x)
+
+
+def scale_in_place(x):
+    x.mul_(2)
+    return x
+
+
+class Mutator(nn.Module):
+    def forward(self, x):
+        x.add_(1)
+        return x
+
+
+{extra}
+
+
+class ToyConfig(PretrainedConfig):
+    model_type = "{model_type}"
+
+    def __init__(self, vocab_size=32, hidden_size=16, num_hidden_layers=2, flag=True, **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.flag = flag
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.flag = config.flag
+        self.hidden_size = config.hidden_size
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size // 2, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size // 2, bias=False)
+{init}
+
+    def forward(self, x):
+{forward}
+
+
+    def reset_state(self):
+        self.state.zero_()
+
+
+class ToyPreTrainedModel(PreTrainedModel):
+    config_class = ToyConfig
+    base_model_prefix = "model"
+
+
+class ToyLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.block = ToyBlock(config)
+{layer}
+
+    def forward(self, x):
+        return x + self.block(x)
+
+
+class ToyModel(ToyPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([ToyLayer(config) for _ in range(config.num_hidden_layers)])
+        self.post_init()
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return hidden
+
+
+class ToyForCausalLM(ToyPreTrainedModel, GenerationMixin):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = ToyModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids, **kwargs):
+        return CausalLMOutput(logits=self.lm_head(self.model(input_ids)))
+"""
