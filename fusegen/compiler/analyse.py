@@ -70,9 +70,9 @@ def analyse_class(
                 if name in taken or hasattr(instance, name):
                     raise Refused("name-clash", f"the class already uses the name {name}", taken.get(name))
             check_no_other_uses(candidate, plan)
-            rewrite_init(astutil.method(candidate, "__init__"), plan, namespace)
+            conditional = rewrite_init(astutil.method(candidate, "__init__"), plan, namespace)
             with _merged_linears_present(instance, outcome.fused):
-                rewrite_forward(astutil.method(candidate, "forward"), plan, instance, namespace)
+                rewrite_forward(astutil.method(candidate, "forward"), plan, instance, namespace, conditional)
         except Refused as refusal:
             outcome.refused.append(Refusal(plan.projections, refusal.rule, refusal.reason, refusal.line))
             if refusal.rule == "different-inputs":
