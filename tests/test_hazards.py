@@ -220,6 +220,15 @@ SAFE = {
             "        return q + a + torch.cat([k, v], dim=-1)\n"
         ),
     ),
+    # Differing bias flags merge with a per-piece flag list (the b rows of the merged bias are zero and inert).
+    "bias_flags_differ": (
+        (
+            "        self.a_proj = nn.Linear(config.hidden_size, 4, bias=True)\n"
+            "        self.b_proj = nn.Linear(config.hidden_size, 4, bias=False)\n"
+        ),
+        QKV
+        + "        return q + torch.cat([k, v], dim=-1) + torch.cat([self.a_proj(x), self.b_proj(x)] * 2, dim=-1)\n",
+    ),
 }
 
 # name: (extra __init__ lines, forward body, expected rule)
@@ -343,15 +352,6 @@ HAZARDS = {
         "",
         "        y = x\n        q = self.q_proj(x)\n        k = self.k_proj(y)\n        v = self.v_proj(x)\n" + RETURN,
         "different-inputs",
-    ),
-    "bias_disagrees": (
-        (
-            "        self.a_proj = nn.Linear(config.hidden_size, 4, bias=True)\n"
-            "        self.b_proj = nn.Linear(config.hidden_size, 4, bias=False)\n"
-        ),
-        QKV
-        + "        return q + torch.cat([k, v], dim=-1) + torch.cat([self.a_proj(x), self.b_proj(x)] * 2, dim=-1)\n",
-        "constructors-disagree",
     ),
     "name_mangled": (
         "        self.__scale = 2.0\n",

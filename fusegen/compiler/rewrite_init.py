@@ -17,6 +17,7 @@ forward reads them (see `fusegen.runtime.linear.sizes_attribute`).
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 
 from torch import nn
@@ -43,18 +44,12 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
     positions = sorted(block.index(assign) for assign in assigns)
     calls = [_constructor_call(assign) for assign in assigns]
     arguments = [_linear_arguments(assign, call, namespace) for assign, call in zip(assigns, calls)]
-    in_features, bias = arguments[0]["in_features"], arguments[0]["bias"]
+    in_features = arguments[0]["in_features"]
     # Input widths may be spelled differently (`config.hidden_size`, `self.hidden_size`):
     # the projections read one tensor, so any config the original runs with gives them
-    # one width, and the first spelling serves. A bias flag has no such guarantee.
-    for assign, bound in zip(assigns[1:], arguments[1:]):
-        if not astutil.same_expr(bound["bias"], bias):
-            raise Refused(
-                "constructors-disagree",
-                f"{plan.projections[0]} and {_target(assign)} differ in bias "
-                f"(`{ast.unparse(bias)}` vs `{ast.unparse(bound['bias'])}`)",
-                assign,
-            )
+    # one width, and the first spelling serves. Bias flags have no such guarantee: where
+    # they are spelled differently, each piece keeps its own (see `_bias_flags`).
+    bias = _bias_flags(arguments)
     guards = [_guard(assign) for assign in assigns]
     conditional = frozenset(name for name, guard in zip(plan.projections, guards) if guard is not None)
     guard = _one_guard(assigns, guards)
@@ -65,7 +60,7 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
     fills = {"__in__": in_features, "__bias__": bias}
     fills.update({f"__out{i}__": bound["out_features"] for i, bound in enumerate(arguments)})
     for node in [n for n in ast.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:
-        astutil.replace_node(merged, node, fills[node.id])
+        astutil.replace_node(merged, node, copy.deepcopy(fills[node.id]))  # the originals may stay in use
     sizes = ast.parse(f"self.{sizes_attribute(plan.merged)} = self.{plan.merged}.output_sizes").body[0]
     new = [merged, sizes]
     if guard is not None:
@@ -76,6 +71,20 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
         if assign is not last:
             block.remove(assign)
     return conditional
+
+
+def _bias_flags(arguments: list[dict[str, ast.expr]]) -> ast.expr:
+    """The merged linear's `bias=`: the projections' one flag, or a list with each projection's own flag.
+
+    `MergedColumnLinear(..., bias=[bias, False, bias])` (Whisper: k_proj has no bias) gives every piece the bias
+    its projection had: a piece whose flag is false has zero rows that never enter the output or the gradient,
+    and are neither loaded nor saved (`fusegen.runtime.linear.MergedColumnLinear`). Flags spelled the same way
+    stay one flag, so the common case reads as before.
+    """
+    flags = [bound["bias"] for bound in arguments]
+    if all(astutil.same_expr(flag, flags[0]) for flag in flags[1:]):
+        return flags[0]
+    return ast.List(elts=list(flags), ctx=ast.Load())
 
 
 def _constructor_call(assign: ast.Assign) -> ast.Call:

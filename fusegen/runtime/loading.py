@@ -31,7 +31,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -39,6 +39,8 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from .linear import absent_bias_pieces
 
 CANONICAL, FUSED = "canonical", "fused"
 LAYOUT_KEY = "fusegen_layout"
@@ -572,11 +574,22 @@ def _pieces_for(path: str, module: torch.nn.Module, mapping: Mapping[str, tuple[
 
 
 def _piece_destinations(
-    names: Sequence[str], tensor: torch.Tensor, pieces: Sequence[str], sizes: Sequence[int]
+    names: Sequence[str],
+    tensor: torch.Tensor,
+    pieces: Sequence[str],
+    sizes: Sequence[int],
+    absent: Container[int] = (),
 ) -> tuple[dict[str, Destination], list[tuple[str, ...]]]:
-    """Canonical names for each row block of a merged tensor (for every alias of it), and one group per block."""
+    """Canonical names for each row block of a merged tensor (for every alias of it), and one group per block.
+
+    Blocks in `absent` (bias rows of a projection that has no bias, see `MergedColumnLinear`) have no canonical
+    tensor: no name, nothing required on load, nothing written on save; loading sets them to zero.
+    """
     by_name, groups, start = {}, [], 0
-    for piece, size in zip(pieces, sizes):
+    for index, (piece, size) in enumerate(zip(pieces, sizes)):
+        if index in absent:
+            start += size
+            continue
         shape = (size, *tensor.shape[1:])
         group = []
         for name in names:
@@ -611,7 +624,8 @@ def _targets(model: torch.nn.Module, mapping: Mapping[str, tuple[str, ...]], lay
         if module_path in merged:
             module = merged[module_path]
             pieces = _pieces_for(module_path, module, mapping)
-            piece_names, piece_groups = _piece_destinations(names, tensor, pieces, module.output_sizes)
+            absent = absent_bias_pieces(module) if names[0].endswith(".bias") else []
+            piece_names, piece_groups = _piece_destinations(names, tensor, pieces, module.output_sizes, absent)
             by_name.update(piece_names)
             groups.extend(piece_groups)
         else:
@@ -763,6 +777,7 @@ def load_checkpoint(
     with open_checkpoint(path, allow_pickle=allow_pickle, allowed_roots=allowed_roots) as checkpoint:
         plan = plan_load(model, checkpoint, strict=strict, stacked=stacked)
         _execute(plan, checkpoint)
+        _zero_absent_bias(model)
         return LoadReport(checkpoint.layout, checkpoint.files, len(plan.copies), plan.unexpected)
 
 
@@ -786,7 +801,15 @@ def load_weights(
         _check_compatible(name, TensorInfo(Path("<weights iterable>"), tuple(tensor.shape), tensor.dtype), destination)
         destination.view().copy_(tensor)
         loaded.add(destination.param)
+    _zero_absent_bias(model)
     return loaded
+
+
+def _zero_absent_bias(model: torch.nn.Module) -> None:
+    """Zero the bias rows of merged pieces without a bias: no checkpoint fills them (see `_piece_destinations`)."""
+    for module in _merged_modules(model).values():
+        if absent_bias_pieces(module) and hasattr(module, "zero_absent_bias"):
+            module.zero_absent_bias()
 
 
 # --------------------------------------------------------------------------------------------------------------------
