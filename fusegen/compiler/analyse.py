@@ -1,7 +1,9 @@
-"""Stages 3-5 for one class: trace, match, and rewrite its source.
+"""Stages 3-5: trace, match, and rewrite the source of each candidate class.
 
 Each plan is tried on a copy of the class; a plan that any rule refuses is
 recorded with its reason and the class keeps its original projections.
+Vetoes found outside the classes (`fusegen.compiler.vetoes`) send the classes
+they name through again, until none is new.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import ast
 import contextlib
 import copy
 import inspect
+import sys
 
 from torch import nn
 
@@ -18,9 +21,41 @@ from fusegen.compiler.match import find_groups, merged_name
 from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Refused
 from fusegen.compiler.rewrite_forward import rewrite_forward
 from fusegen.compiler.rewrite_init import check_no_other_uses, rewrite_init
-from fusegen.runtime.linear import sizes_attribute
 from fusegen.compiler.safety import check_projections, projection_findings
 from fusegen.compiler.trace import Recorded, trace_module
+from fusegen.compiler.vetoes import find_vetoes
+from fusegen.runtime.linear import sizes_attribute
+
+
+def analyse_classes(
+    model: nn.Module, found: dict[type, nn.Module], inputs: dict[int, Recorded], refused: dict[str, dict[str, str]]
+) -> tuple[list[ClassOutcome], dict[type, ast.ClassDef]]:
+    """Every candidate class's outcome, and the rewritten class statements of those with a fusion.
+
+    `found` is one instance per candidate class (`fusegen.compiler.instantiate.candidates`), `inputs` what each
+    instance received in a forward of `model` (`fusegen.compiler.trace.record_inputs`), `refused` the fusions to
+    refuse up front, `{class: {merged: reason}}` (validation's verdicts).
+    """
+
+    def run(cls, instance, vetoes=None):
+        return analyse_class(
+            cls,
+            instance,
+            vars(sys.modules[cls.__module__]),
+            {**refused.get(cls.__name__, {}), **(vetoes or {})},
+            inputs.get(id(instance)),
+        )
+
+    results = {cls: run(cls, instance) for cls, instance in found.items()}
+    vetoes = find_vetoes(model, [outcome for outcome, _ in results.values()])
+    while vetoes:
+        for cls, instance in found.items():
+            if cls.__name__ in vetoes:
+                results[cls] = run(cls, instance, vetoes[cls.__name__])
+        vetoes = find_vetoes(model, [outcome for outcome, _ in results.values()])
+    outcomes = [outcome for outcome, _ in results.values()]
+    rewritten = {cls: classdef for cls, (_, classdef) in results.items() if classdef is not None}
+    return outcomes, rewritten
 
 
 def analyse_class(
@@ -117,7 +152,7 @@ def _plain_subplans(instance: nn.Module, plan: FusionPlan) -> list[FusionPlan]:
 
 
 def _veto_rule(reason: str) -> str:
-    """The rule name of a veto found outside the class (see `fusegen.compiler.build._vetoes`), from its reason."""
+    """The rule name of a veto found outside the class (see `fusegen.compiler.vetoes.find_vetoes`), from its reason."""
     if reason.startswith("the fused model does not match the original"):
         return "validation-mismatch"  # fusegen.compiler.validate.refusal_reason
     if "already merged" in reason:
