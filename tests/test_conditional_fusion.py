@@ -316,3 +316,64 @@ def test_merged_linear_bias_flags():
     assert MergedColumnLinear(8, [4, 4], bias=True).bias_pieces == [True, True]
     with pytest.raises(ValueError, match="2 flags for 3"):
         MergedColumnLinear(8, [4, 4, 4], bias=[True, False])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Gemma 4: v_proj exists only without attention_k_eq_v (full layers), k and v only in layers not sharing kv
+# --------------------------------------------------------------------------------------------------------------------
+
+GEMMA4 = {
+    "vocab_size": 128,
+    "vocab_size_per_layer_input": 128,
+    "hidden_size_per_layer_input": 8,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "global_head_dim": 16,
+    "max_position_embeddings": 128,
+    "sliding_window": 8,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+GEMMA4_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("k_eq_v", [False, True])
+@pytest.mark.parametrize("shared", [0, 2])
+def test_gemma4_matches_with_kv_sharing_and_k_eq_v(tmp_path, k_eq_v, shared):
+    import generated.fused_gemma4_text as fused_gemma4_text
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        **GEMMA4,
+        num_hidden_layers=len(GEMMA4_LAYERS),
+        layer_types=GEMMA4_LAYERS,
+        attention_k_eq_v=k_eq_v,
+        num_kv_shared_layers=shared,
+    )
+    fused_class = fused_gemma4_text.FusedGemma4ForCausalLM
+    _, fused = round_trip(Gemma4ForCausalLM, fused_class, config, tmp_path, fused_gemma4_text.STACKED_PARAMS_MAPPING)
+    layers = [layer.self_attn for layer in fused.model.layers]
+    sharing = [attention.is_kv_shared_layer for attention in layers]
+    assert sharing == [False] * (4 - shared) + [True] * shared
+    for attention in layers:
+        if attention.is_kv_shared_layer:
+            assert not hasattr(attention, "kv_proj") and not hasattr(attention, "k_proj")
+        elif attention.use_alternative_attention:  # keys are the values: no v_proj, k_proj as the original builds it
+            assert attention.kv_proj is None and type(attention.k_proj) is nn.Linear
+        else:
+            assert attention.k_proj is None and isinstance(attention.kv_proj, MergedColumnLinear)
+    assert any(isinstance(getattr(a, "kv_proj", None), MergedColumnLinear) for a in layers)
+    assert k_eq_v == any(a.use_alternative_attention for a in layers if not a.is_kv_shared_layer)
+
+
+def test_gemma4_tp_plan_keeps_the_rule_of_the_unfused_k_proj():
+    """Layers with attention_k_eq_v keep a plain k_proj, so its colwise rule stays next to kv_proj's."""
+    import generated.fused_gemma4_text as fused_gemma4_text
+
+    assert fused_gemma4_text.TP_PLAN["layers.*.self_attn.kv_proj"] == "fusegen_merged_colwise"
+    assert fused_gemma4_text.TP_PLAN["layers.*.self_attn.k_proj"] == "colwise"
+    assert "layers.*.self_attn.v_proj" not in fused_gemma4_text.TP_PLAN

@@ -77,6 +77,7 @@ def test_the_expected_files_are_checked_in():
         "mixtral",
         "qwen3_moe",
         "deepseek_v3",
+        "gemma4_text",
     } <= set(TARGETS)
 
 

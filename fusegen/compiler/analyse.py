@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import dataclasses
 import inspect
 import sys
 
@@ -20,7 +21,7 @@ from fusegen.compiler import astutil
 from fusegen.compiler.match import find_groups, merged_name
 from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Refused
 from fusegen.compiler.rewrite_forward import rewrite_forward
-from fusegen.compiler.rewrite_init import check_no_other_uses, rewrite_init
+from fusegen.compiler.rewrite_init import check_no_other_uses, rewrite_init, same_block_subplans
 from fusegen.compiler.safety import check_projections, projection_findings
 from fusegen.compiler.trace import Recorded, trace_module
 from fusegen.compiler.vetoes import find_vetoes
@@ -112,10 +113,12 @@ def analyse_class(
             outcome.refused.append(Refusal(plan.projections, refusal.rule, refusal.reason, refusal.line))
             if refusal.rule == "different-inputs":
                 queue.extend(_same_spelling_subplans(astutil.method(classdef, "forward"), plan))
+            elif refusal.rule == "unusual-init":
+                queue.extend(same_block_subplans(astutil.method(classdef, "__init__"), plan))
             continue
         classdef = candidate
         taken[plan.merged] = taken[sizes_attribute(plan.merged)] = None
-        outcome.fused.append(plan)
+        outcome.fused.append(_with_kept(plan, conditional))
     return outcome, (classdef if outcome.fused else None)
 
 
@@ -136,6 +139,13 @@ def _merged_linears_present(instance: nn.Module, fused: list[FusionPlan]):
     finally:
         for name in added:
             del instance._modules[name]
+
+
+def _with_kept(plan: FusionPlan, conditional: frozenset[str]) -> FusionPlan:
+    """`plan`, noting which projections configs without the merged linear keep (see `FusionPlan.kept`)."""
+    if not conditional:
+        return plan
+    return dataclasses.replace(plan, kept=tuple(name for name in plan.projections if name not in conditional))
 
 
 def _plain_subplans(instance: nn.Module, plan: FusionPlan) -> list[FusionPlan]:

@@ -42,5 +42,6 @@ def tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict) ->
     """Template data for tensor parallelism: the fused form of the config's `base_model_tp_plan` (or why there is
     none); see fusegen/runtime/tp.py."""
     original = getattr(model.config, "base_model_tp_plan", None)
-    plan, reason = fused_plan_from(original, stacked_mapping(plans), parents)
+    kept = {name for fusion in plans for name in fusion.kept}
+    plan, reason = fused_plan_from(original, stacked_mapping(plans), parents, kept)
     return {"tp_plan": repr(plan) if plan else None, "tp_reason": reason}

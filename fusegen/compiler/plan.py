@@ -17,6 +17,9 @@ class FusionPlan:
     """Attribute name of the merged linear (`qkv_proj`)."""
     shards: tuple[tuple[str, ShardId], ...]
     """Each projection's attribute name and its shard id, in row order."""
+    kept: tuple[str, ...] = ()
+    """Projections that configs without the merged linear still build on their own (a conditional fusion, such
+    as MLA's `kv_a_proj_with_mqa` where `q_lora_rank` is None): their own TP rules stay in the plan."""
 
     @property
     def projections(self) -> tuple[str, ...]:

@@ -159,6 +159,30 @@ def _is_none(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant) and node.value is None
 
 
+def same_block_subplans(funcdef: ast.FunctionDef, plan: FusionPlan) -> list[FusionPlan]:
+    """Smaller groups of `plan` whose projections are constructed in one block of `__init__`.
+
+    Gemma 4 builds q_proj always but k_proj and v_proj only in layers that do not share another layer's keys
+    and values (`if not self.is_kv_shared_layer:`): q cannot join them, but k and v merge into `kv_proj` there.
+    """
+    from fusegen.compiler.match import merged_name
+
+    groups: dict[int, tuple[list[ast.stmt], list[str]]] = {}
+    for name in plan.projections:
+        refs = astutil.self_refs(funcdef, name)
+        if len(refs) != 1:
+            continue
+        path = astutil.block_path(funcdef.body, refs[0])
+        if path:
+            block = path[-1][0]
+            groups.setdefault(id(block), (block, []))[1].append(name)
+    return [
+        FusionPlan("merged_column", merged_name(names), tuple((name, index) for index, name in enumerate(names)))
+        for _, names in groups.values()
+        if 2 <= len(names) < len(plan.projections)
+    ]
+
+
 def check_no_other_uses(classdef: ast.ClassDef, plan: FusionPlan) -> None:
     """Refuse if a method other than `__init__`/`forward` touches a projection."""
     for stmt in classdef.body:

@@ -34,7 +34,7 @@ This module is imported when a fused model is first built, not when a generated 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -609,13 +609,15 @@ def fused_plan_from(
     original: Mapping[str, str] | None,
     stacked: Mapping[str, Sequence[tuple[str, Any]]],
     parents: Mapping[str, Sequence[str]] | None = None,
+    kept: Collection[str] = (),
 ) -> tuple[dict[str, str] | None, str | None]:
     """Derive a generated file's `TP_PLAN` from the original config's `base_model_tp_plan`: `(plan, None)` or
     `(None, why not)`. Used by the compiler; kept here next to the styles it names.
 
     Each merged linear takes one `fusegen_merged_colwise` rule where all of its pieces had `colwise` ones (a q/k/v
     merge also gets `fusegen_local_heads` on its owner); other rules are kept. Pieces with any other style (e.g.
-    `colwise_gather_output`) cannot be merged this way, and then no plan is derived.
+    `colwise_gather_output`) cannot be merged this way, and then no plan is derived. A piece in `kept` is built
+    on its own in the configs without the merged linear (a conditional fusion), so its own rule stays as well.
     """
     if not original:
         return None, "the original config has no base_model_tp_plan"
@@ -627,6 +629,8 @@ def fused_plan_from(
         if merged is None or (parents and merged in parents and owner.rpartition(".")[2] not in parents[merged]):
             plan[key] = style
             continue
+        if leaf in kept:
+            plan[key] = style
         pieces = stacked[merged]
         styles = {original.get(f"{owner}.{name}" if owner else name) for name, _ in pieces}
         if styles != {"colwise"}:
