@@ -55,6 +55,10 @@ def rewrite_forward(
     _splice(funcdef, plan, calls, block, first, module, conditional)
 
 
+class _AbsentModule(nn.Module):
+    """Stands in for a child another config builds, of a class the safety rules do not trust (see below)."""
+
+
 @contextlib.contextmanager
 def _absent_linears_present(module: nn.Module, namespace: dict):
     """`module` with a plain meta `nn.Linear` for each child that is None here but a plain linear in other configs.
@@ -62,9 +66,12 @@ def _absent_linears_present(module: nn.Module, namespace: dict):
     A conditional fusion hoists the always-built projections' calls over code that runs in the other configs
     (`q_states = self.q_proj(hidden_states)` where `q_lora_rank` is None), so the safety rules must judge that
     code too. What such a child is there is read off `__init__`: `self.q_proj = None if c else nn.Linear(...)`
-    builds exactly an `nn.Linear`, which writes nothing; a child built any other way stays None here, which the
-    rules refuse (a false alarm costs a fusion). Children that exist in this config are judged as they are here,
-    as for every fusion; build-time validation runs the other configs (`fusegen/compiler/validate.py`).
+    builds exactly an `nn.Linear`, which writes nothing; `self.norm = SomeNorm(...) if c else None` builds a module
+    of a class the rules cannot see, so it stands in as an `_AbsentModule`, which they trust with nothing (handed
+    an alias of the input it is an impure call), exactly as they treat a child of a class they do not know; a
+    child built any other way stays None here, which the rules refuse (a false alarm costs a fusion). Children
+    that exist in this config are judged as they are here, as for every fusion; build-time validation runs the
+    other configs (`fusegen/compiler/validate.py`).
     """
     stand_ins = {}
     for stmt in ast.walk(astutil.method(astutil.parse_class(type(module)), "__init__") or ast.Module(body=[])):
@@ -75,8 +82,13 @@ def _absent_linears_present(module: nn.Module, namespace: dict):
             continue
         built = [side for side in (value.body, value.orelse) if isinstance(side, ast.Call)]
         nones = [side for side in (value.body, value.orelse) if isinstance(side, ast.Constant) and side.value is None]
-        if len(built) == 1 and len(nones) == 1 and safety.resolve(built[0].func, namespace) is nn.Linear:
+        if len(built) != 1 or len(nones) != 1:
+            continue
+        constructor = safety.resolve(built[0].func, namespace)
+        if constructor is nn.Linear:
             stand_ins[name] = nn.Linear(1, 1, device="meta")
+        elif isinstance(constructor, type) and issubclass(constructor, nn.Module):
+            stand_ins[name] = _AbsentModule()
     for name, linear in stand_ins.items():
         del module.__dict__[name]
         module._modules[name] = linear
