@@ -25,13 +25,15 @@ from transformers import (
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     WhisperConfig,
     WhisperForCausalLM,
 )
 
-import generated.fused_deepseek_v3 as fused_deepseek_v3
 from fusegen.compiler.build import build
 from fusegen.runtime import CheckpointError, MergedColumnLinear, load_checkpoint, save_checkpoint
+from generated import fused_deepseek_v3, fused_gemma4_text
 from tests.conftest import GRAD_TOLERANCE, TOLERANCE, random_model, tiny_config
 from tests.test_strict_loading import import_file
 
@@ -108,8 +110,7 @@ def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     (logits * cotangent).sum().backward()
     model.eval()
     return {
-        name: (p.grad if p.grad is not None else torch.zeros_like(p)).double()
-        for name, p in model.named_parameters()
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).double() for name, p in model.named_parameters()
     }
 
 
@@ -136,9 +137,10 @@ def round_trip(original_class, fused_class, config, tmp_path, mapping):
     assert not any(info.values()), info
     assert_equivalent(original, fused, mapping)
     fused.save_pretrained(tmp_path / "fused")
-    assert load_file(tmp_path / "fused" / "model.safetensors").keys() == load_file(
-        tmp_path / "original" / "model.safetensors"
-    ).keys()
+    assert (
+        load_file(tmp_path / "fused" / "model.safetensors").keys()
+        == load_file(tmp_path / "original" / "model.safetensors").keys()
+    )
     reloaded = original_class.from_pretrained(tmp_path / "fused")
     want, got = original.state_dict(), reloaded.state_dict()
     assert want.keys() == got.keys()
@@ -150,7 +152,10 @@ def round_trip(original_class, fused_class, config, tmp_path, mapping):
 # MLA with a conditional q_a_proj
 # --------------------------------------------------------------------------------------------------------------------
 
-DEEPSEEK = {"deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM), "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM)}
+DEEPSEEK = {
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+    "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+}
 
 
 @pytest.mark.parametrize("model_type", sorted(DEEPSEEK))
@@ -164,7 +169,11 @@ def test_mla_matches_the_original_for_both_q_lora_ranks(built, tmp_path, model_t
     _, fused = round_trip(original_class, fused_class, config, tmp_path, module.STACKED_PARAMS_MAPPING)
     attention = fused.model.layers[0].self_attn
     if q_lora_rank is None:
-        assert attention.fused_qkv_a_proj is None and attention.q_a_proj is None if hasattr(attention, "q_a_proj") else True
+        assert (
+            attention.fused_qkv_a_proj is None and attention.q_a_proj is None
+            if hasattr(attention, "q_a_proj")
+            else True
+        )
         assert type(attention.kv_a_proj_with_mqa) is nn.Linear and type(attention.q_proj) is nn.Linear
     else:
         assert attention.kv_a_proj_with_mqa is None and attention.q_proj is None
@@ -232,7 +241,7 @@ def test_whisper_kv_proj_carries_per_piece_bias_flags(built):
 
 def test_whisper_matches_and_never_saves_the_zero_bias(built, tmp_path):
     module = built["whisper"]
-    original, fused = round_trip(
+    round_trip(
         WhisperForCausalLM, module.FusedWhisperForCausalLM, whisper_config(), tmp_path, module.STACKED_PARAMS_MAPPING
     )
     saved = load_file(tmp_path / "fused" / "model.safetensors")
@@ -266,7 +275,9 @@ def test_whisper_checkpoint_missing_a_real_bias_raises(built, tmp_path):
         broken = tmp_path / missing
         broken.mkdir()
         original.config.save_pretrained(broken)
-        save_file({k: v for k, v in tensors.items() if k != missing}, broken / "model.safetensors", metadata={"format": "pt"})
+        save_file(
+            {k: v for k, v in tensors.items() if k != missing}, broken / "model.safetensors", metadata={"format": "pt"}
+        )
         with pytest.raises(CheckpointError, match=missing.rpartition(".")[0].rpartition(".")[0]):
             fused_class.from_pretrained(broken)
         with pytest.raises(CheckpointError, match=missing):
@@ -344,9 +355,6 @@ GEMMA4_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "fu
 @pytest.mark.parametrize("k_eq_v", [False, True])
 @pytest.mark.parametrize("shared", [0, 2])
 def test_gemma4_matches_with_kv_sharing_and_k_eq_v(tmp_path, k_eq_v, shared):
-    import generated.fused_gemma4_text as fused_gemma4_text
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
     config = Gemma4TextConfig(
         **GEMMA4,
         num_hidden_layers=len(GEMMA4_LAYERS),
@@ -372,8 +380,85 @@ def test_gemma4_matches_with_kv_sharing_and_k_eq_v(tmp_path, k_eq_v, shared):
 
 def test_gemma4_tp_plan_keeps_the_rule_of_the_unfused_k_proj():
     """Layers with attention_k_eq_v keep a plain k_proj, so its colwise rule stays next to kv_proj's."""
-    import generated.fused_gemma4_text as fused_gemma4_text
-
     assert fused_gemma4_text.TP_PLAN["layers.*.self_attn.kv_proj"] == "fusegen_merged_colwise"
     assert fused_gemma4_text.TP_PLAN["layers.*.self_attn.k_proj"] == "colwise"
     assert "layers.*.self_attn.v_proj" not in fused_gemma4_text.TP_PLAN
+
+
+def test_quantizing_or_sharding_a_merged_linear_without_some_bias_is_refused(built):
+    """A quantizer's forward or a TP partition would not leave the zero bias rows out: both refuse, by name."""
+    from fusegen.runtime.quant import QuantizationRefused, check_quantization
+    from fusegen.runtime.tp import _partition
+
+    fused = built["whisper"].FusedWhisperForCausalLM(whisper_config())
+    fused.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    with pytest.raises(QuantizationRefused, match="kv_proj.*no bias"):
+        check_quantization(fused)
+
+    class Mesh:
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return 0
+
+    kv = fused.model.decoder.layers[0].self_attn.kv_proj
+    with pytest.raises(ValueError, match=r"bias_pieces=\[False, True\]"):
+        _partition(kv, Mesh())
+    assert kv.output_sizes == [WHISPER["d_model"]] * 2  # left as it was
+
+
+def test_whisper_lora_on_k_and_v_gives_the_originals_outputs_and_trains_the_same(built, tmp_path):
+    """A canonical LoRA adapter on k_proj and v_proj (random A and B) loads onto kv_proj; one SGD step on each model
+    keeps them equal, and the fused save is canonical (loads into the original)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    original = random_model(WhisperForCausalLM, whisper_config())
+    original.save_pretrained(tmp_path / "base")
+    fused_class = built["whisper"].FusedWhisperForCausalLM
+    adapted = get_peft_model(
+        WhisperForCausalLM.from_pretrained(tmp_path / "base"), LoraConfig(r=4, target_modules=["k_proj", "v_proj"])
+    )
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.3)
+    adapted.save_pretrained(tmp_path / "adapter")
+
+    def step(model):
+        model.train()
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        model(input_ids=IDS, labels=IDS).loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            return model.eval()(input_ids=IDS).logits
+
+    base = WhisperForCausalLM.from_pretrained(tmp_path / "base")
+    want = step(PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True))
+    fused = PeftModel.from_pretrained(
+        fused_class.from_pretrained(tmp_path / "base"), tmp_path / "adapter", is_trainable=True
+    )
+    got = step(fused)
+    assert (want - got).abs().max().item() <= TOLERANCE
+    fused.save_pretrained(tmp_path / "trained")
+    reloaded = PeftModel.from_pretrained(WhisperForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "trained")
+    with torch.no_grad():
+        assert (reloaded.eval()(input_ids=IDS).logits - got).abs().max().item() <= TOLERANCE
+
+
+def test_mla_tp_plan_gives_the_merged_linear_the_mla_style(built):
+    """q_a_proj has no rule (replicated) and kv_a_proj_with_mqa is `mla_kv_a_proj` (replicated, the gradient of
+    the last qk_rope_head_dim output columns all-reduced): the merged linear, whose last columns are the same, gets
+    that style; the plain kv_a_proj_with_mqa of q_lora_rank=None configs keeps its own rule."""
+    from fusegen.runtime.tp import fused_plan_from
+
+    plan = built["deepseek_v2"].TP_PLAN
+    assert plan["layers.*.self_attn.fused_qkv_a_proj"] == "mla_kv_a_proj"
+    assert plan["layers.*.self_attn.kv_a_proj_with_mqa"] == "mla_kv_a_proj"
+    stacked = {"fused_qkv_a_proj": [("q_a_proj", 0), ("kv_a_proj_with_mqa", 1)]}
+    reordered = {"fused_qkv_a_proj": [("kv_a_proj_with_mqa", 0), ("q_a_proj", 1)]}  # rope columns no longer last
+    original = DeepseekV2Config.base_model_tp_plan
+    assert fused_plan_from(original, reordered, {"fused_qkv_a_proj": ["self_attn"]})[0] is None
+    derived, _ = fused_plan_from(original, stacked, {"fused_qkv_a_proj": ["self_attn"]})
+    assert "layers.*.self_attn.kv_a_proj_with_mqa" not in derived  # kept only where a config keeps the module

@@ -51,8 +51,11 @@ except ImportError:
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, _AllReduceBackward
 
 from .checkpoint import MergedColumnConcatenate, MergedColumnSplit, _find_merged_linear, _tensors_of
+from .linear import absent_bias_pieces
 
 MERGED_COLWISE = "fusegen_merged_colwise"
+MLA_KV_A = "mla_kv_a_proj"
+"""Transformers' style for MLA's kv_a_proj_with_mqa: replicated, rope columns' gradient all-reduced."""
 LOCAL_HEADS = "fusegen_local_heads"
 
 
@@ -286,6 +289,11 @@ def _partition(module: nn.Module, mesh) -> RowPartition:
     partition = getattr(module, "tp_partition", None)
     if partition is not None and (partition.world_size, partition.rank) == (world_size, rank):
         return partition
+    if absent_bias_pieces(module):
+        raise ValueError(
+            f"{_model_name(module)}: tensor parallelism of a merged linear whose pieces differ in having a bias "
+            f"(bias_pieces={module.bias_pieces}) is not supported; load the original class for tensor parallelism"
+        )
     full_sizes = list(module.output_sizes)
     units = getattr(module, "tp_units", None) or full_sizes
     replicable = getattr(module, "tp_replicable", None) or [False] * len(full_sizes)
@@ -632,7 +640,14 @@ def fused_plan_from(
         if leaf in kept:
             plan[key] = style
         pieces = stacked[merged]
-        styles = {original.get(f"{owner}.{name}" if owner else name) for name, _ in pieces}
+        ordered = [original.get(f"{owner}.{name}" if owner else name) for name, _ in pieces]
+        if ordered[-1] == MLA_KV_A and not any(ordered[:-1]):
+            # MLA's q_a_proj (replicated, no rule) + kv_a_proj_with_mqa (`mla_kv_a_proj`): that style keeps the
+            # weight replicated and all-reduces the gradient of the output's last `qk_rope_head_dim` columns, which
+            # in the merged output are still kv_a_proj_with_mqa's rope columns; the q_a columns pass untouched.
+            plan.setdefault(f"{owner}.{merged}" if owner else merged, MLA_KV_A)
+            continue
+        styles = set(ordered)
         if styles != {"colwise"}:
             return None, f"{key} is {style!r}; fusegen merges only pieces that are all 'colwise'"
         if [shard for _, shard in pieces] == ["q", "k", "v"] and owner:
