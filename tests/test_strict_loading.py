@@ -134,7 +134,7 @@ def test_a_stale_mapping_that_misses_the_dense_layer_raises(built, tmp_path):
     """The file the old compiler wrote (parents read off the default config) must refuse, not random-init layer 0."""
     text = Path(built["deepseek_v2"].__file__).read_text()
     stale = text.replace(
-        'parents={"gate_up_proj": ["mlp", "shared_experts"]}', 'parents={"gate_up_proj": ["shared_experts"]}'
+        '"gate_up_proj": ["mlp", "shared_experts"]', '"gate_up_proj": ["shared_experts"]'
     )
     assert stale != text
     (tmp_path / "fused_deepseek_v2.py").write_text(stale)
