@@ -27,6 +27,7 @@ check_source(
 )
 
 import math
+
 import torch
 import transformers.initialization as init
 from torch import nn
