@@ -168,8 +168,8 @@ def _summary(result) -> str:
 
 def _build_all(args, console: Console) -> int:
     from fusegen.compiler.resolve import causal_lm_types
-    from fusegen.tools.sweep import sweep
     from fusegen.compiler.writer import output_path, write_atomic
+    from fusegen.tools.sweep import sweep
 
     if args.jobs < 1:
         raise InputError(f"--jobs must be at least 1, got {args.jobs}")

@@ -20,8 +20,8 @@ from fusegen.compiler.plan import FusionPlan, Refused
 from fusegen.fusions.base import Kind
 from fusegen.fusions.linear import LinearKind
 from fusegen.runtime.tp import LOCAL_HEADS, MERGED_COLWISE, fused_plan_from
-from fusegen.tools import coverage
 from fusegen.testkit import TOLERANCE
+from fusegen.tools import coverage
 
 TOY = """
 import torch

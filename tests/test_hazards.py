@@ -121,6 +121,25 @@ SAFE = {
             "        return q + a + torch.cat([k, v], dim=-1)\n"
         ),
     ),
+    # A projection built under a condition merges with its sibling where it exists; elsewhere the sibling stays.
+    "conditional_sibling": (
+        (
+            "        self.a_proj = nn.Linear(config.hidden_size, 4, bias=False) if config.flag else None\n"
+            "        self.b_proj = nn.Linear(config.hidden_size, 4, bias=False)\n"
+        ),
+        QKV
+        + "        a = self.a_proj(x) if self.a_proj is not None else x[..., :4]\n"
+        + "        return q + torch.cat([k, v], dim=-1) + torch.cat([a, self.b_proj(x)] * 2, dim=-1)\n",
+    ),
+    # Differing bias flags merge with a per-piece flag list (the b rows of the merged bias are zero and inert).
+    "bias_flags_differ": (
+        (
+            "        self.a_proj = nn.Linear(config.hidden_size, 4, bias=True)\n"
+            "        self.b_proj = nn.Linear(config.hidden_size, 4, bias=False)\n"
+        ),
+        QKV
+        + "        return q + torch.cat([k, v], dim=-1) + torch.cat([self.a_proj(x), self.b_proj(x)] * 2, dim=-1)\n",
+    ),
 }
 
 # name: (extra __init__ lines, forward body, expected rule)
@@ -245,14 +264,28 @@ HAZARDS = {
         "        y = x\n        q = self.q_proj(x)\n        k = self.k_proj(y)\n        v = self.v_proj(x)\n" + RETURN,
         "different-inputs",
     ),
-    "bias_disagrees": (
+    # A projection built under a condition: the condition must mean the same where the merged linear is built.
+    "conditional_guard_changes": (
         (
-            "        self.a_proj = nn.Linear(config.hidden_size, 4, bias=True)\n"
+            "        self.a_proj = nn.Linear(config.hidden_size, 4, bias=False) if self.flag else None\n"
+            "        self.flag = not self.flag\n"
             "        self.b_proj = nn.Linear(config.hidden_size, 4, bias=False)\n"
         ),
         QKV
-        + "        return q + torch.cat([k, v], dim=-1) + torch.cat([self.a_proj(x), self.b_proj(x)] * 2, dim=-1)\n",
-        "constructors-disagree",
+        + "        a = self.a_proj(x) if self.a_proj is not None else x[..., :4]\n"
+        + "        return q + torch.cat([k, v], dim=-1) + torch.cat([a, self.b_proj(x)] * 2, dim=-1)\n",
+        "constructor-inputs-change",
+    ),
+    "conditional_guards_differ": (
+        (
+            "        self.a_proj = nn.Linear(config.hidden_size, 4, bias=False) if config.flag else None\n"
+            "        self.b_proj = nn.Linear(config.hidden_size, 4, bias=False) if config.hidden_size > 8 else None\n"
+        ),
+        QKV
+        + "        a = self.a_proj(x) if self.a_proj is not None else x[..., :4]\n"
+        + "        b = self.b_proj(x) if self.b_proj is not None else x[..., :4]\n"
+        + "        return q + torch.cat([k, v], dim=-1) + torch.cat([a, b] * 2, dim=-1)\n",
+        "unusual-init",
     ),
     "name_mangled": (
         "        self.__scale = 2.0\n",
@@ -737,3 +770,19 @@ def test_kv_fused_when_q_reads_another_spelling(case_path, tmp_path):
         input_ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             assert torch.allclose(original(input_ids).logits, fused(input_ids).logits, atol=1e-6, rtol=0)
+
+
+def test_conditional_sibling_merges_only_where_it_is_built(case_path):
+    """`a_proj` exists only when `flag`: where it does, a + b are one merged linear; where it does not, `b_proj`
+    stays a plain linear under its own name (the SAFE case `conditional_sibling` runs both for equivalence)."""
+    init, forward = SAFE["conditional_sibling"]
+    dotted = write_case(case_path, "conditional_plan", init, forward, HELPERS)
+    block = outcome(dotted)
+    assert ("merged_column", "ab_proj", ("b_proj",)) in [(p.kind, p.merged, p.kept) for p in block.fused]
+    (case_path / "hazard_cases" / "fused_conditional_plan.py").write_text(build(dotted, validate=False).text)
+    original_module = importlib.import_module(dotted)
+    fused_module = importlib.import_module("hazard_cases.fused_conditional_plan")
+    built = fused_module.FusedToyForCausalLM(original_module.ToyConfig(flag=True)).model.layers[0].block
+    assert built.ab_proj.output_sizes == [4, 4] and built.b_proj is None
+    plain = fused_module.FusedToyForCausalLM(original_module.ToyConfig(flag=False)).model.layers[0].block
+    assert plain.ab_proj is None and type(plain.b_proj) is torch.nn.Linear

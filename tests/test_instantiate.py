@@ -2,9 +2,9 @@
 
 import pytest
 
-from fusegen.errors import InputError
 from fusegen.compiler.instantiate import candidates, instantiate
 from fusegen.compiler.resolve import resolve
+from fusegen.errors import InputError
 
 
 def test_llama_builds_on_meta_without_memory():

@@ -3,8 +3,8 @@
 import pytest
 
 from fusegen.compiler.build import build
-from fusegen.tools.coverage import verify
 from fusegen.fusions.siblings import merged_name
+from fusegen.tools.coverage import verify
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ compiler that refuses everything fails.
 from collections import Counter
 
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

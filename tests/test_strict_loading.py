@@ -106,7 +106,7 @@ def test_deepseek_v2_mapping_and_tp_plan_name_every_placement(built):
     assert module.TP_PLAN["layers.*.mlp.gate_up_proj"] == "fusegen_merged_colwise"
     assert module.TP_PLAN["layers.*.mlp.shared_experts.gate_up_proj"] == "fusegen_merged_colwise"
     assert not any(key.endswith((".gate_proj", ".up_proj")) for key in module.TP_PLAN)
-    assert 'parents={"gate_up_proj": ["mlp", "shared_experts"]}' in Path(module.__file__).read_text()
+    assert '"gate_up_proj": ["mlp", "shared_experts"]' in Path(module.__file__).read_text()
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def test_a_stale_mapping_that_misses_the_dense_layer_raises(built, tmp_path):
     """The file the old compiler wrote (parents read off the default config) must refuse, not random-init layer 0."""
     text = Path(built["deepseek_v2"].__file__).read_text()
     stale = text.replace(
-        'parents={"gate_up_proj": ["mlp", "shared_experts"]}', 'parents={"gate_up_proj": ["shared_experts"]}'
+        '"gate_up_proj": ["mlp", "shared_experts"]', '"gate_up_proj": ["shared_experts"]'
     )
     assert stale != text
     (tmp_path / "fused_deepseek_v2.py").write_text(stale)

@@ -103,14 +103,14 @@ def analyse_class(
             for name in kind.new_names(plan):
                 if name in taken or hasattr(instance, name):
                     raise Refused("name-clash", f"the class already uses the name {name}", taken.get(name))
-            kind.rewrite(candidate, plan, instance, namespace, outcome.fused)
+            applied = kind.rewrite(candidate, plan, instance, namespace, outcome.fused) or plan
         except Refused as refusal:
             outcome.refused.append(Refusal(plan.subject, refusal.rule, refusal.reason, refusal.line))
             queue.extend(kind.smaller_after_rewrite(classdef, plan, refusal))
             continue
         classdef = candidate
         taken.update(dict.fromkeys(kind.new_names(plan)))
-        outcome.fused.append(plan)
+        outcome.fused.append(applied)
     return outcome, (classdef if outcome.fused else None)
 
 

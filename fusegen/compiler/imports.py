@@ -13,6 +13,7 @@ import ast
 import builtins
 import inspect
 import symtable
+import sys
 from types import ModuleType
 
 from fusegen.errors import InputError
@@ -101,14 +102,17 @@ def import_lines(used: dict[str, tuple[ModuleType | None, str]], runtime_names: 
                 plain.add(f"import {value.__name__} as {local}")
             continue
         from_imports.setdefault(source_module.__name__, set()).add(name if local == name else f"{name} as {local}")
+    standard = sorted(line for line in plain if line.split()[1].partition(".")[0] in sys.stdlib_module_names)
+    plain -= set(standard)
     third_party = sorted(plain) + [
         _from_line(module_name, from_imports[module_name])
         for module_name in sorted(from_imports)
         if module_name != RUNTIME_MODULE
     ]
     first_party = [_from_line(RUNTIME_MODULE, from_imports[RUNTIME_MODULE])] if RUNTIME_MODULE in from_imports else []
-    # isort's layout: third-party imports, a blank line, then fusegen's own.
-    return third_party + ([""] if third_party and first_party else []) + first_party
+    # isort's layout: the standard library (`math`), a blank line, third-party imports, a blank line, fusegen's own.
+    groups = [group for group in (standard, third_party, first_party) if group]
+    return [line for index, group in enumerate(groups) for line in ([""] if index else []) + group]
 
 
 def _from_line(module_name: str, names: set[str]) -> str:

@@ -45,5 +45,6 @@ def tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict) ->
     (`Kind.head_sharded`)."""
     original = getattr(model.config, "base_model_tp_plan", None)
     heads = {plan.merged for plan in plans if fusions.kind(plan.kind).head_sharded}
-    plan, reason = fused_plan_from(original, stacked_mapping(plans), parents, heads=heads)
+    kept = {name for fusion in plans for name in fusion.kept}
+    plan, reason = fused_plan_from(original, stacked_mapping(plans), parents, heads=heads, kept=kept)
     return {"tp_plan": repr(plan) if plan else None, "tp_reason": reason}

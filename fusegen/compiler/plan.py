@@ -23,6 +23,9 @@ class FusionPlan:
     shards: tuple[tuple[str, ShardId], ...] = ()
     """Each merged projection's attribute name and its shard id, in row order. Empty for a kind that merges no
     linears: such a plan has no checkpoint mapping, no checkpoint scope and no TP rule."""
+    kept: tuple[str, ...] = ()
+    """Projections that configs without the merged linear still build on their own (a conditional fusion, such
+    as MLA's `kv_a_proj_with_mqa` where `q_lora_rank` is None): their own TP rules stay in the plan."""
 
     @property
     def projections(self) -> tuple[str, ...]:

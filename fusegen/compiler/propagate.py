@@ -23,8 +23,8 @@ from types import ModuleType
 from torch import nn
 
 from fusegen.compiler import astutil
-from fusegen.errors import InputError
 from fusegen.compiler.plan import Refused
+from fusegen.errors import InputError
 
 PREFIX = "Fused"
 

@@ -13,6 +13,8 @@ innermost block that dominates every call. The sizes are read from the owner
 from __future__ import annotations
 
 import ast
+import contextlib
+import copy
 
 from torch import nn
 
@@ -21,9 +23,20 @@ from fusegen.compiler.plan import FusionPlan, Refused
 from fusegen.runtime.linear import sizes_attribute
 
 
-def rewrite_forward(funcdef: ast.FunctionDef, plan: FusionPlan, module: nn.Module, namespace: dict) -> None:
-    """Apply `plan` to `funcdef` in place, or raise `Refused` leaving it unusable."""
-    calls = [_single_call(funcdef, name) for name in plan.projections]
+def rewrite_forward(
+    funcdef: ast.FunctionDef,
+    plan: FusionPlan,
+    module: nn.Module,
+    namespace: dict,
+    conditional: frozenset[str] = frozenset(),
+) -> None:
+    """Apply `plan` to `funcdef` in place, or raise `Refused` leaving it unusable.
+
+    `conditional` names the projections `__init__` builds only under a condition (`rewrite_init` returns them);
+    the merged call is then guarded by the merged linear's existence (see `_guarded_split`).
+    """
+    merged = plan.merged if conditional else None
+    calls = [_single_call(funcdef, name, merged if name in conditional else None) for name in plan.projections]
     arg = calls[0].args[0]
     for call in calls[1:]:
         if not astutil.same_expr(call.args[0], arg):
@@ -37,17 +50,65 @@ def rewrite_forward(funcdef: ast.FunctionDef, plan: FusionPlan, module: nn.Modul
         if scope is not None:
             raise Refused("call-in-loop", f"`{ast.unparse(call)}` sits inside a {type(scope).__name__.lower()}", call)
     block, first, last = _dominating_region(funcdef, calls)
-    safety.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
-    _splice(funcdef, plan, calls, block, first, module)
+    with _absent_linears_present(module, namespace) if conditional else contextlib.nullcontext():
+        safety.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
+    _splice(funcdef, plan, calls, block, first, module, conditional)
 
 
-def _single_call(funcdef: ast.FunctionDef, name: str) -> ast.Call:
+class _AbsentModule(nn.Module):
+    """Stands in for a child another config builds, of a class the safety rules do not trust (see below)."""
+
+
+@contextlib.contextmanager
+def _absent_linears_present(module: nn.Module, namespace: dict):
+    """`module` with a plain meta `nn.Linear` for each child that is None here but a plain linear in other configs.
+
+    A conditional fusion hoists the always-built projections' calls over code that runs in the other configs
+    (`q_states = self.q_proj(hidden_states)` where `q_lora_rank` is None), so the safety rules must judge that
+    code too. What such a child is there is read off `__init__`: `self.q_proj = None if c else nn.Linear(...)`
+    builds exactly an `nn.Linear`, which writes nothing; `self.norm = SomeNorm(...) if c else None` builds a module
+    of a class the rules cannot see, so it stands in as an `_AbsentModule`, which they trust with nothing (handed
+    an alias of the input it is an impure call), exactly as they treat a child of a class they do not know; a
+    child built any other way stays None here, which the rules refuse (a false alarm costs a fusion). Children
+    that exist in this config are judged as they are here, as for every fusion; build-time validation runs the
+    other configs (`fusegen/compiler/validate.py`).
+    """
+    stand_ins = {}
+    for stmt in ast.walk(astutil.method(astutil.parse_class(type(module)), "__init__") or ast.Module(body=[])):
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and astutil.self_attr(stmt.targets[0])):
+            continue
+        value, name = stmt.value, stmt.targets[0].attr
+        if not isinstance(value, ast.IfExp) or module.__dict__.get(name, 0) is not None:
+            continue
+        built = [side for side in (value.body, value.orelse) if isinstance(side, ast.Call)]
+        nones = [side for side in (value.body, value.orelse) if isinstance(side, ast.Constant) and side.value is None]
+        if len(built) != 1 or len(nones) != 1:
+            continue
+        constructor = safety.resolve(built[0].func, namespace)
+        if constructor is nn.Linear:
+            stand_ins[name] = nn.Linear(1, 1, device="meta")
+        elif isinstance(constructor, type) and issubclass(constructor, nn.Module):
+            stand_ins[name] = _AbsentModule()
+    for name, linear in stand_ins.items():
+        del module.__dict__[name]
+        module._modules[name] = linear
+    try:
+        yield
+    finally:
+        for name in stand_ins:
+            del module._modules[name]
+            module.__dict__[name] = None
+
+
+def _single_call(funcdef: ast.FunctionDef, name: str, merged: str | None = None) -> ast.Call:
     """The one `self.<name>(arg)` call, after folding existence guards on it.
 
     The projection no longer exists after fusion, so any other use of it
     would break or change meaning; only `self.<name> is (not) None` and bare
     truthiness tests are understood (an `nn.Linear` is never None and always
-    truthy), and folded to constants.
+    truthy), and folded to constants. A projection built only under a condition (`merged` given) may be None:
+    its guards then test the merged linear instead (`self.v_proj is not None` -> `self.kv_proj is not None`),
+    which exists exactly where the projection did (`rewrite_init._conditional_merge`).
     """
     refs = astutil.self_refs(funcdef, name)
     calls = [
@@ -64,21 +125,27 @@ def _single_call(funcdef: ast.FunctionDef, name: str) -> ast.Call:
         raise Refused("unusual-call", f"`{ast.unparse(call)}` does not pass exactly one input", call)
     for ref in refs:
         if ref is not call.func:
-            _fold_guard(funcdef, ref, name)
+            _fold_guard(funcdef, ref, name, merged)
     return call
 
 
-def _fold_guard(funcdef: ast.FunctionDef, ref: ast.Attribute, name: str) -> None:
+def _fold_guard(funcdef: ast.FunctionDef, ref: ast.Attribute, name: str, merged: str | None = None) -> None:
     parent_of = astutil.parents(funcdef)
     parent = parent_of.get(ref)
     if isinstance(parent, ast.Compare) and len(parent.ops) == 1 and isinstance(parent.ops[0], (ast.Is, ast.IsNot)):
         other = parent.comparators[0] if parent.left is ref else parent.left
         if isinstance(other, ast.Constant) and other.value is None:
+            if merged is not None:
+                ref.attr = merged  # None exactly where the projection was None
+                return
             folded = ast.Constant(isinstance(parent.ops[0], ast.IsNot))
             astutil.replace_node(funcdef, parent, ast.copy_location(folded, parent))
             return
     in_test = isinstance(parent, (ast.If, ast.IfExp, ast.While, ast.Assert)) and parent.test is ref
     negated = isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)
+    if (in_test or negated) and merged is not None:
+        ref.attr = merged  # a module is truthy, None is not: the same truth value as the projection's
+        return
     if in_test or negated:
         astutil.replace_node(funcdef, ref, ast.copy_location(ast.Constant(True), ref))
         return
@@ -103,6 +170,7 @@ def _splice(
     block: list[ast.stmt],
     index: int,
     module: nn.Module | None = None,
+    conditional: frozenset[str] = frozenset(),
 ):
     taken = astutil.all_names(funcdef)
     temps = []
@@ -113,10 +181,45 @@ def _splice(
     statement = ast.parse(f"{', '.join(temps)} = {merged}(__input__).split({sizes}, dim=-1)").body[0]
     placeholder = next(n for n in ast.walk(statement) if isinstance(n, ast.Name) and n.id == "__input__")
     astutil.replace_node(statement, placeholder, calls[0].args[0])
+    if conditional:
+        statement = _guarded_split(plan, statement, calls, temps, conditional)
     block.insert(index, ast.copy_location(statement, block[index]))
     for call, temp in zip(calls, temps):
         astutil.replace_node(funcdef, call, ast.copy_location(ast.Name(temp, ast.Load()), call))
-    _detach_written_pieces(funcdef, temps, block, index, module)
+    if conditional:
+        _detach_written_pieces(funcdef, temps, statement.body, 0, module)
+    else:
+        _detach_written_pieces(funcdef, temps, block, index, module)
+
+
+def _guarded_split(
+    plan: FusionPlan, split: ast.stmt, calls: list[ast.Call], temps: list[str], conditional: frozenset[str]
+) -> ast.If:
+    """The merged call and split where the merged linear exists, each always-built projection's own call elsewhere:
+
+        if self.fused_qkv_a_proj is not None:
+            q_a_proj_out, kv_a_proj_with_mqa_out = self.fused_qkv_a_proj(x).split(...)
+        else:
+            kv_a_proj_with_mqa_out = self.kv_a_proj_with_mqa(x)
+
+    Soundness: `self.<merged> is not None` holds exactly in the configs where `__init__` built the conditional
+    projections (`rewrite_init._conditional_merge`); there every piece is what the original's projection returns,
+    as for an unconditional fusion. Elsewhere the always-built projections are called by their own names, on the
+    same input, at the same point the merged call would run: the hoist to that point is proved harmless by the
+    same input-stability rules (the region is the same), and a plain linear's call writes nothing. A conditional
+    piece is then unbound, but the original reads it only where it called a projection that was None (an error
+    there as well), so no value differs. The guard is the existence of the merged linear, never a copy of the
+    forward's own condition (`if self.q_lora_rank is None`), so the two cannot disagree.
+    """
+    test = ast.parse(f"self.{plan.merged} is not None").body[0].value
+    orelse = []
+    for name, call, temp in zip(plan.projections, calls, temps):
+        if name not in conditional:
+            own = ast.parse(f"{temp} = self.{name}(__input__)").body[0]
+            own.value.args = [copy.deepcopy(call.args[0])]
+            orelse.append(own)
+    guarded = ast.If(test=test, body=[split], orelse=orelse)
+    return ast.fix_missing_locations(ast.copy_location(guarded, split))
 
 
 REFLECTION = frozenset({"eval", "exec", "locals", "vars", "globals", "setattr", "delattr"})

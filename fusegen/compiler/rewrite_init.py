@@ -17,14 +17,15 @@ forward reads them (see `fusegen.runtime.linear.sizes_attribute`).
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 
 from torch import nn
 
 from fusegen.compiler import astutil
 from fusegen.compiler.plan import FusionPlan, Refused
-from fusegen.runtime.linear import sizes_attribute
 from fusegen.compiler.safety import resolve
+from fusegen.runtime.linear import sizes_attribute
 
 MERGED_LINEAR = "MergedColumnLinear"
 """The runtime class the merged constructor calls (imported from `fusegen.runtime`)."""
@@ -32,38 +33,147 @@ MERGED_LINEAR = "MergedColumnLinear"
 _LINEAR_SIGNATURE = inspect.signature(nn.Linear.__init__)
 
 
-def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) -> None:
-    """Replace the projections' assignments in `funcdef` with one merged assignment."""
+def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) -> frozenset[str]:
+    """Replace the projections' assignments in `funcdef` with one merged assignment.
+
+    Returns the projections that exist only under a condition (`self.q_a_proj = nn.Linear(...) if c else None`);
+    `rewrite_forward` needs them to guard the merged call (see `_conditional_merge`).
+    """
     assigns = [_constructor_assignment(funcdef, name) for name in plan.projections]
     block = _shared_block(funcdef, assigns)
     positions = sorted(block.index(assign) for assign in assigns)
-    arguments = [_linear_arguments(assign, namespace) for assign in assigns]
-    in_features, bias = arguments[0]["in_features"], arguments[0]["bias"]
+    calls = [_constructor_call(assign) for assign in assigns]
+    arguments = [_linear_arguments(assign, call, namespace) for assign, call in zip(assigns, calls)]
+    in_features = arguments[0]["in_features"]
     # Input widths may be spelled differently (`config.hidden_size`, `self.hidden_size`):
     # the projections read one tensor, so any config the original runs with gives them
-    # one width, and the first spelling serves. A bias flag has no such guarantee.
-    for assign, bound in zip(assigns[1:], arguments[1:]):
-        if not astutil.same_expr(bound["bias"], bias):
-            raise Refused(
-                "constructors-disagree",
-                f"{plan.projections[0]} and {_target(assign)} differ in bias "
-                f"(`{ast.unparse(bias)}` vs `{ast.unparse(bound['bias'])}`)",
-                assign,
-            )
-    _check_inputs_stable(block[positions[0] : positions[-1] + 1], assigns, arguments)
+    # one width, and the first spelling serves. Bias flags have no such guarantee: where
+    # they are spelled differently, each piece keeps its own (see `_bias_flags`).
+    bias = _bias_flags(arguments)
+    guards = [_guard(assign) for assign in assigns]
+    conditional = frozenset(name for name, guard in zip(plan.projections, guards) if guard is not None)
+    guard = _one_guard(assigns, guards)
+    reads = [*arguments, *([{"guard": guard}] if guard is not None else [])]
+    _check_inputs_stable(block[positions[0] : positions[-1] + 1], assigns, reads)
     widths = ", ".join(f"__out{i}__" for i in range(len(assigns)))
     merged = ast.parse(f"self.{plan.merged} = {MERGED_LINEAR}(__in__, [{widths}], bias=__bias__)").body[0]
     fills = {"__in__": in_features, "__bias__": bias}
     fills.update({f"__out{i}__": bound["out_features"] for i, bound in enumerate(arguments)})
     for node in [n for n in ast.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:
-        astutil.replace_node(merged, node, fills[node.id])
-    last = block[positions[-1]]
-    block[positions[-1]] = ast.copy_location(merged, last)
+        astutil.replace_node(merged, node, copy.deepcopy(fills[node.id]))  # the originals may stay in use
     sizes = ast.parse(f"self.{sizes_attribute(plan.merged)} = self.{plan.merged}.output_sizes").body[0]
-    block.insert(positions[-1] + 1, ast.copy_location(sizes, last))
+    new = [merged, sizes]
+    if guard is not None:
+        new = _conditional_merge(plan, merged, guard, assigns, calls, conditional)
+    last = block[positions[-1]]
+    block[positions[-1] : positions[-1] + 1] = [ast.copy_location(stmt, last) for stmt in new]
     for assign in assigns:
         if assign is not last:
             block.remove(assign)
+    return conditional
+
+
+def _bias_flags(arguments: list[dict[str, ast.expr]]) -> ast.expr:
+    """The merged linear's `bias=`: the projections' one flag, or a list with each projection's own flag.
+
+    `MergedColumnLinear(..., bias=[bias, False, bias])` (Whisper: k_proj has no bias) gives every piece the bias
+    its projection had: a piece whose flag is false has zero rows that never enter the output or the gradient,
+    and are neither loaded nor saved (`fusegen.runtime.linear.MergedColumnLinear`). Flags spelled the same way
+    stay one flag, so the common case reads as before.
+    """
+    flags = [bound["bias"] for bound in arguments]
+    if all(astutil.same_expr(flag, flags[0]) for flag in flags[1:]):
+        return flags[0]
+    return ast.List(elts=list(flags), ctx=ast.Load())
+
+
+def _constructor_call(assign: ast.Assign) -> ast.Call:
+    """The `nn.Linear(...)` call of `self.p = nn.Linear(...)` or of `self.p = nn.Linear(...) if c else None`."""
+    value = assign.value
+    if isinstance(value, ast.IfExp):
+        return value.body if _is_none(value.orelse) else value.orelse
+    return value
+
+
+def _guard(assign: ast.Assign) -> ast.expr | None:
+    """The condition under which `assign` builds its linear (None: always); `c` or `not c` of an `if c else`."""
+    value = assign.value
+    if not isinstance(value, ast.IfExp):
+        return None
+    if _is_none(value.orelse):
+        return value.test
+    return ast.UnaryOp(ast.Not(), value.test)
+
+
+def _one_guard(assigns: list[ast.Assign], guards: list[ast.expr | None]) -> ast.expr | None:
+    """The one condition the conditional projections share (None if none is conditional); refuse two."""
+    present = [(assign, guard) for assign, guard in zip(assigns, guards) if guard is not None]
+    for assign, guard in present[1:]:
+        if not astutil.same_expr(guard, present[0][1]):
+            raise Refused(
+                "unusual-init",
+                f"the projections are built under different conditions (`{ast.unparse(present[0][1])}` vs "
+                f"`{ast.unparse(guard)}`)",
+                assign,
+            )
+    return present[0][1] if present else None
+
+
+def _conditional_merge(
+    plan: FusionPlan,
+    merged: ast.Assign,
+    guard: ast.expr,
+    assigns: list[ast.Assign],
+    calls: list[ast.Call],
+    conditional: frozenset[str],
+) -> list[ast.stmt]:
+    """The statements that build the merged linear when some projections exist only under `guard`:
+
+        self.fused_qkv_a_proj = MergedColumnLinear(...) if <guard> else None
+        self.fused_qkv_a_proj_sizes = self.fused_qkv_a_proj.output_sizes if self.fused_qkv_a_proj is not None else None
+        self.kv_a_proj_with_mqa = None if self.fused_qkv_a_proj is not None else nn.Linear(...)
+
+    Soundness: where `guard` holds, the original built every projection (the conditional ones because the guard
+    holds, the others always), and the merged linear replaces them all; where it does not, the original built only
+    the unconditional ones, and exactly those are built, from their own constructor calls, under their own names,
+    so that config's module (and its checkpoint) is the original's. The guard is evaluated once, where the last
+    projection was built (`_check_inputs_stable` proves its names mean the same there); the unconditional ones
+    test the merged linear's existence instead of re-evaluating it. So `self.<merged> is not None` holds exactly
+    where the conditional projections existed, which is what `rewrite_forward` guards the merged call with.
+    """
+    name, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
+    merged.value = ast.IfExp(test=guard, body=merged.value, orelse=ast.Constant(None))
+    statements = [
+        merged,
+        ast.parse(f"{sizes} = {name}.output_sizes if {name} is not None else None").body[0],
+    ]
+    for projection, assign, call in zip(plan.projections, assigns, calls):
+        if projection not in conditional:
+            kept = ast.parse(f"self.{projection} = None if {name} is not None else __call__").body[0]
+            kept.value.orelse = call
+            statements.append(kept)
+    return statements
+
+
+def _is_none(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+def same_block_groups(funcdef: ast.FunctionDef, projections: tuple[str, ...]) -> list[list[str]]:
+    """Smaller groups of `projections` whose constructors sit in one block of `__init__`.
+
+    Gemma 4 builds q_proj always but k_proj and v_proj only in layers that do not share another layer's keys
+    and values (`if not self.is_kv_shared_layer:`): q cannot join them, but k and v merge into `kv_proj` there.
+    """
+    groups: dict[int, list[str]] = {}
+    for name in projections:
+        refs = astutil.self_refs(funcdef, name)
+        if len(refs) != 1:
+            continue
+        path = astutil.block_path(funcdef.body, refs[0])
+        if path:
+            groups.setdefault(id(path[-1][0]), []).append(name)
+    return [names for names in groups.values() if 2 <= len(names) < len(projections)]
 
 
 def check_no_other_uses(classdef: ast.ClassDef, plan: FusionPlan) -> None:
@@ -87,7 +197,12 @@ def _constructor_assignment(funcdef: ast.FunctionDef, name: str) -> ast.Assign:
         where = refs[1] if len(refs) > 1 else funcdef
         raise Refused("unusual-init", f"self.{name} is not assigned exactly once and used nowhere else", where)
     assign = assigns[0]
-    if not isinstance(assign.value, ast.Call):
+    value = assign.value
+    conditional = isinstance(value, ast.IfExp) and (
+        (isinstance(value.body, ast.Call) and _is_none(value.orelse))
+        or (isinstance(value.orelse, ast.Call) and _is_none(value.body))
+    )
+    if not isinstance(value, ast.Call) and not conditional:
         raise Refused("unusual-init", f"self.{name} is not assigned a constructor call", assign)
     return assign
 
@@ -99,9 +214,8 @@ def _shared_block(funcdef: ast.FunctionDef, assigns: list[ast.Assign]) -> list[a
     return blocks[0]
 
 
-def _linear_arguments(assign: ast.Assign, namespace: dict) -> dict[str, ast.expr]:
-    """in_features, out_features and bias of an `nn.Linear(...)` call, as expressions."""
-    call = assign.value
+def _linear_arguments(assign: ast.Assign, call: ast.Call, namespace: dict) -> dict[str, ast.expr]:
+    """in_features, out_features and bias of the `nn.Linear(...)` call `assign` makes, as expressions."""
     if resolve(call.func, namespace) is not nn.Linear:
         raise Refused("unusual-init", f"`{ast.unparse(call.func)}` is not torch.nn.Linear", assign)
     if any(isinstance(arg, ast.Starred) for arg in call.args) or any(kw.arg is None for kw in call.keywords):

@@ -404,11 +404,19 @@ def _mapped(name: str, source: dict, mapping: dict, used: set | None = None):
         return None
     prefix = f"{parent}." if parent else ""
     names = [f"{prefix}{piece}.{tensor}" for piece, _ in mapping[merged]]
-    if not all(piece in source for piece in names):
+    pieces = [source.get(piece) for piece in names]
+    if tensor == "bias" and any(piece is not None for piece in pieces):
+        # A projection without a bias (Whisper's k_proj) is a zero piece of the merged bias: as wide as its weight.
+        weights = [source.get(f"{prefix}{piece}.weight") for piece, _ in mapping[merged]]
+        pieces = [
+            piece if piece is not None or weight is None else weight.new_zeros(weight.shape[0])
+            for piece, weight in zip(pieces, weights)
+        ]
+    if any(piece is None for piece in pieces):
         return None
     if used is not None:
-        used.update(names)
-    return torch.cat([source[piece] for piece in names], dim=0)
+        used.update(piece for piece in names if piece in source)
+    return torch.cat(pieces, dim=0)
 
 
 # --- construction variants -------------------------------------------------------------------------------------------

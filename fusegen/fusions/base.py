@@ -59,8 +59,9 @@ class Kind:
 
     def rewrite(
         self, classdef: ast.ClassDef, plan: FusionPlan, module: nn.Module, namespace: dict, fused: list[FusionPlan]
-    ) -> None:
-        """Rewrite `classdef` (a copy; the analysis keeps it only on success) in place for `plan`.
+    ) -> FusionPlan | None:
+        """Rewrite `classdef` (a copy; the analysis keeps it only on success) in place for `plan`, and return the
+        plan as applied (a kind may note what the rewrite found, e.g. `FusionPlan.kept`), or None for `plan` itself.
 
         `namespace` is the globals of the class's module, `fused` the plans of this class already applied to
         `classdef`. Raise `Refused(rule, reason, node)` to decline: a refusal costs the fusion, never correctness.

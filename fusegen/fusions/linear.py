@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import os
 import re
 from collections.abc import Iterable
@@ -24,7 +25,7 @@ from fusegen.compiler import astutil
 from fusegen.compiler.match import linear_children
 from fusegen.compiler.plan import FusionPlan, Refused, ShardId
 from fusegen.compiler.rewrite_forward import rewrite_forward
-from fusegen.compiler.rewrite_init import MERGED_LINEAR, check_no_other_uses, rewrite_init
+from fusegen.compiler.rewrite_init import MERGED_LINEAR, check_no_other_uses, rewrite_init, same_block_groups
 from fusegen.compiler.safety import check_projections, projection_findings
 from fusegen.fusions.base import Kind
 from fusegen.runtime.linear import sizes_attribute
@@ -68,11 +69,14 @@ class LinearKind(Kind):
 
     def rewrite(
         self, classdef: ast.ClassDef, plan: FusionPlan, module: nn.Module, namespace: dict, fused: list[FusionPlan]
-    ) -> None:
+    ) -> FusionPlan:
+        """The merged construction in `__init__`, the merged call + split in `forward`; returns `plan` noting which
+        projections configs without the merged linear still build on their own (`FusionPlan.kept`)."""
         check_no_other_uses(classdef, plan)
-        rewrite_init(astutil.method(classdef, "__init__"), plan, namespace)
+        conditional = rewrite_init(astutil.method(classdef, "__init__"), plan, namespace)
         with _merged_linears_present(module, [done for done in fused if done.shards]):
-            rewrite_forward(astutil.method(classdef, "forward"), plan, module, namespace)
+            rewrite_forward(astutil.method(classdef, "forward"), plan, module, namespace, conditional)
+        return _with_kept(plan, conditional)
 
     def smaller_after_check(self, module: nn.Module, plan: FusionPlan) -> list[FusionPlan]:
         return _plain_subplans(module, plan)
@@ -80,6 +84,9 @@ class LinearKind(Kind):
     def smaller_after_rewrite(self, classdef: ast.ClassDef, plan: FusionPlan, refusal: Refused) -> list[FusionPlan]:
         if refusal.rule == "different-inputs":
             return _same_spelling_subplans(astutil.method(classdef, "forward"), plan)
+        if refusal.rule == "unusual-init":
+            groups = same_block_groups(astutil.method(classdef, "__init__"), plan.projections)
+            return [fusions.kind(SIBLINGS).plan(names) for names in groups]
         return []
 
 
@@ -131,6 +138,13 @@ def _merged_linears_present(instance: nn.Module, fused: list[FusionPlan]):
     finally:
         for name in added:
             del instance._modules[name]
+
+
+def _with_kept(plan: FusionPlan, conditional: frozenset[str]) -> FusionPlan:
+    """`plan`, noting which projections configs without the merged linear keep (see `FusionPlan.kept`)."""
+    if not conditional:
+        return plan
+    return dataclasses.replace(plan, kept=tuple(name for name in plan.projections if name not in conditional))
 
 
 def _plain_subplans(instance: nn.Module, plan: FusionPlan) -> list[FusionPlan]:

@@ -34,6 +34,7 @@ from transformers.conversion_mapping import (
 )
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
+from .linear import absent_bias_pieces
 from .merged import find_merged_linear
 from .quant import check_quantized_pieces, check_quantized_save
 from .streaming import PreallocatedConcatenate
@@ -78,8 +79,9 @@ class MergedColumnConcatenate(PreallocatedConcatenate):
         **kwargs,
     ) -> dict[str, torch.Tensor]:
         check_quantized_pieces(input_dict, full_layer_name, model)
-        pieces = [t.shape[self.dim] for p in source_patterns if p in input_dict for t in tensors_of(input_dict[p])]
         merged = find_merged_linear(model, full_layer_name)
+        input_dict = _with_absent_bias(input_dict, source_patterns, full_layer_name, merged)
+        pieces = [t.shape[self.dim] for p in source_patterns if p in input_dict for t in tensors_of(input_dict[p])]
         if merged is not None and pieces != list(merged.output_sizes):
             raise ValueError(
                 f"{full_layer_name}: checkpoint pieces have sizes {pieces} along dim {self.dim}, "
@@ -137,11 +139,46 @@ class MergedColumnSplit(ConversionOps):
                 f"{full_layer_name}: cannot split a tensor of size {tensor.shape[self.dim]} into {target_patterns} "
                 f"with output_sizes={sizes}"
             )
-        return dict(zip(target_patterns, tensor.split(sizes, dim=self.dim)))
+        pieces = dict(zip(target_patterns, tensor.split(sizes, dim=self.dim)))
+        absent = absent_bias_pieces(merged) if _is_bias(full_layer_name) else []
+        if not absent:
+            return pieces
+        # A projection without a bias (Whisper's k_proj) gets no bias tensor back: its rows are zeros fusion added.
+        # Full names, since Transformers completes the returned patterns from the first one, which may be dropped.
+        return {
+            head + target + tail: piece
+            for index, (target, piece) in enumerate(pieces.items())
+            if index not in absent
+        }
 
     @property
     def reverse_op(self) -> ConversionOps:
         return MergedColumnConcatenate(self.dim)
+
+
+def _is_bias(name: str | None) -> bool:
+    return (name or "").endswith(".bias")
+
+
+def _with_absent_bias(
+    input_dict: dict[str, Any], source_patterns: list[str], full_layer_name: str | None, merged: nn.Module | None
+) -> dict[str, Any]:
+    """`input_dict` with a zero tensor for each piece of a merged bias whose projection has no bias.
+
+    A canonical checkpoint has no `k_proj.bias` where the original's k_proj has none; the merged bias still has
+    rows for it, which hold zeros (`MergedColumnLinear` keeps them out of the computation). Exactly those pieces
+    are filled: a checkpoint tensor for such a piece is replaced by zeros (the original ignores it as unexpected),
+    and any other piece that is missing stays missing, so the size check below and the strict loader raise.
+    """
+    absent = absent_bias_pieces(merged) if _is_bias(full_layer_name) else []
+    present = [tensors_of(input_dict[p])[0] for p in source_patterns if p in input_dict]
+    if not absent or not present or len(source_patterns) != len(merged.output_sizes):
+        return input_dict
+    completed = dict(input_dict)
+    for index in absent:
+        like = present[0]
+        completed[source_patterns[index]] = torch.zeros(merged.output_sizes[index], dtype=like.dtype, device=like.device)
+    return completed
 
 
 def _piece_names(merged_name: str, pieces: Iterable[Any]) -> list[str]:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 def _as_output_sizes(output_sizes: Sequence[int]) -> list[int]:
@@ -37,31 +38,82 @@ def sizes_attribute(merged: str) -> str:
     return f"{merged}_sizes"
 
 
+def _as_bias_pieces(bias: bool | Sequence[bool], count: int) -> list[bool]:
+    """One flag per piece: does that projection have a bias? A single flag applies to every piece."""
+    if isinstance(bias, Sequence) and not isinstance(bias, (str, bytes)):
+        flags = [bool(flag) for flag in bias]
+        if len(flags) != count:
+            raise ValueError(f"bias lists {len(flags)} flags for {count} output_sizes")
+        return flags
+    return [bool(bias)] * count
+
+
+def absent_bias_pieces(module: nn.Module) -> list[int]:
+    """Indices of the pieces of a merged linear whose projection has no bias (their rows of `bias` are zero)."""
+    flags = getattr(module, "bias_pieces", None)
+    if getattr(module, "bias", None) is None or not flags:
+        return []
+    return [index for index, kept in enumerate(flags) if not kept]
+
+
 class MergedColumnLinear(nn.Linear):
     """Several linears sharing one input, stored as a single `nn.Linear` whose rows are stacked in order.
 
     Why a subclass of `nn.Linear` and not a new module: the forward is then exactly `nn.Linear.forward` (one GEMM,
-    bit-identical semantics), and everything in Transformers that special-cases `nn.Linear` (`_init_weights`, meta-device
+    bit-identical semantics; with per-piece bias flags, `F.linear` with the real pieces' bias, see below), and everything in Transformers that special-cases `nn.Linear` (`_init_weights`, meta-device
     construction inside `from_pretrained`, dtype casting, device maps) keeps working unchanged.
 
     `output_sizes` records where each original projection lives in the output (`weight[:output_sizes[0]]` is the first
     projection, and so on). Generated forwards split the output by the same list, kept on the owner (`sizes_attribute`), and the checkpoint
     converters in `fusegen.runtime.checkpoint` read it to split the weight back into its original tensors on save,
     which is what makes unequal pieces (GQA/MQA q vs k/v) round-trip.
+
+    `bias` may be one flag per piece (`[True, False, True]`: Whisper's k_proj has no bias while q and v do). Then
+    `bias` holds rows for every piece, `bias_pieces` says which are real, and the rows of a piece without a bias
+    are zero and stay out of the computation: the forward adds only the real pieces' rows (the others replaced by
+    zeros), so those rows get no gradient, an optimizer leaves them as they are, and whatever they hold cannot
+    change an output. Exactness: adding a zero to a GEMM output is the identity on every finite value, so each
+    piece is what its own `F.linear` (with or without bias) returns. Loading fills those rows with zeros (a
+    canonical checkpoint has no such tensor) and saving drops them (`fusegen.runtime.checkpoint`, `.loading`).
     """
 
     def __init__(
         self,
         in_features: int,
         output_sizes: Sequence[int],
-        bias: bool = True,
+        bias: bool | Sequence[bool] = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         sizes = _as_output_sizes(output_sizes)
-        super().__init__(in_features, sum(sizes), bias=bias, device=device, dtype=dtype)
+        flags = _as_bias_pieces(bias, len(sizes))
+        self.bias_pieces: list[bool] = flags
         self.output_sizes: list[int] = sizes
+        super().__init__(in_features, sum(sizes), bias=any(flags), device=device, dtype=dtype)
+        self.output_sizes = sizes
+
+    def reset_parameters(self) -> None:
+        """`nn.Linear`'s initialisation, with the rows of pieces without a bias set to zero."""
+        super().reset_parameters()
+        self.zero_absent_bias()
+
+    @torch.no_grad()
+    def zero_absent_bias(self) -> None:
+        """Set the bias rows of the pieces that have no bias to zero (what a fused-layout checkpoint stores)."""
+        if self.bias is None or self.bias.is_meta:
+            return
+        for index, piece in enumerate(self.bias.split(self.output_sizes)):
+            if not self.bias_pieces[index]:
+                piece.zero_()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.bias is None or all(self.bias_pieces):
+            return super().forward(input)
+        pieces = self.bias.split(self.output_sizes)
+        bias = torch.cat([piece if kept else torch.zeros_like(piece) for piece, kept in zip(pieces, self.bias_pieces)])
+        return F.linear(input, self.weight, bias)
 
     def extra_repr(self) -> str:
         """Show the per-projection sizes, so a printed model reveals how the fused output is laid out."""
-        return f"{super().extra_repr()}, output_sizes={self.output_sizes}"
+        text = f"{super().extra_repr()}, output_sizes={self.output_sizes}"
+        return text if all(self.bias_pieces) or self.bias is None else f"{text}, bias_pieces={self.bias_pieces}"

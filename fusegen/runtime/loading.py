@@ -41,7 +41,8 @@ from .files import (  # noqa: F401 (re-exported)
     TensorInfo,
     open_checkpoint,
 )
-from .merged import normalise_stacked, stacked_mapping  # noqa: F401 (re-exported)
+from .linear import absent_bias_pieces
+from .merged import merged_modules, normalise_stacked, stacked_mapping  # noqa: F401 (re-exported)
 from .plan import Plan, check_compatible, model_targets, plan_load
 from .saving import canonical_tensors, parse_size, save_checkpoint, write_safetensors  # noqa: F401 (re-exported)
 
@@ -95,6 +96,7 @@ def load_checkpoint(
     with open_checkpoint(path, allow_pickle=allow_pickle, allowed_roots=allowed_roots) as checkpoint:
         plan = plan_load(model, checkpoint, strict=strict, stacked=stacked)
         execute_plan(plan, checkpoint)
+        zero_absent_bias(model)
         return LoadReport(checkpoint.layout, checkpoint.files, len(plan.copies), plan.unexpected)
 
 
@@ -118,4 +120,12 @@ def load_weights(
         check_compatible(name, TensorInfo(Path("<weights iterable>"), tuple(tensor.shape), tensor.dtype), destination)
         destination.view().copy_(tensor)
         loaded.add(destination.param)
+    zero_absent_bias(model)
     return loaded
+
+
+def zero_absent_bias(model: torch.nn.Module) -> None:
+    """Zero the bias rows of merged pieces without a bias: no checkpoint fills them (see `plan._piece_destinations`)."""
+    for module in merged_modules(model).values():
+        if absent_bias_pieces(module) and hasattr(module, "zero_absent_bias"):
+            module.zero_absent_bias()

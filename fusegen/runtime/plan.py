@@ -9,12 +9,13 @@ canonically when saving (`fusegen/runtime/saving.py`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .files import CANONICAL, FUSED, Checkpoint, CheckpointError, TensorInfo
+from .linear import absent_bias_pieces
 from .merged import merged_modules, stacked_mapping
 
 
@@ -56,11 +57,22 @@ def _pieces_for(path: str, module: torch.nn.Module, mapping: Mapping[str, tuple[
 
 
 def _piece_destinations(
-    names: Sequence[str], tensor: torch.Tensor, pieces: Sequence[str], sizes: Sequence[int]
+    names: Sequence[str],
+    tensor: torch.Tensor,
+    pieces: Sequence[str],
+    sizes: Sequence[int],
+    absent: Container[int] = (),
 ) -> tuple[dict[str, Destination], list[tuple[str, ...]]]:
-    """Canonical names for each row block of a merged tensor (for every alias of it), and one group per block."""
+    """Canonical names for each row block of a merged tensor (for every alias of it), and one group per block.
+
+    Blocks in `absent` (bias rows of a projection that has no bias, see `MergedColumnLinear`) have no canonical
+    tensor: no name, nothing required on load, nothing written on save; loading sets them to zero.
+    """
     by_name, groups, start = {}, [], 0
-    for piece, size in zip(pieces, sizes):
+    for index, (piece, size) in enumerate(zip(pieces, sizes)):
+        if index in absent:
+            start += size
+            continue
         shape = (size, *tensor.shape[1:])
         group = []
         for name in names:
@@ -95,7 +107,8 @@ def model_targets(model: torch.nn.Module, mapping: Mapping[str, tuple[str, ...]]
         if module_path in merged:
             module = merged[module_path]
             pieces = _pieces_for(module_path, module, mapping)
-            piece_names, piece_groups = _piece_destinations(names, tensor, pieces, module.output_sizes)
+            absent = absent_bias_pieces(module) if names[0].endswith(".bias") else []
+            piece_names, piece_groups = _piece_destinations(names, tensor, pieces, module.output_sizes, absent)
             by_name.update(piece_names)
             groups.extend(piece_groups)
         else:

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .linear import absent_bias_pieces
+
 _REGISTERED = False
 
 
@@ -197,6 +199,14 @@ def check_quantization(model: nn.Module) -> None:
     merged = _merged_linears(model)
     if not merged:
         return
+    without_bias = [path for path, module in merged.items() if absent_bias_pieces(module)]
+    if without_bias:
+        raise _refuse(
+            model,
+            f"quantizing {without_bias[0]}",
+            "some of its pieces have no bias (their rows of the merged bias are zeros the fused forward leaves out), "
+            "and a quantizer's own forward would not leave them out",
+        )
     method = _method(config)
     check = _CHECKS.get(method)
     if check is None:

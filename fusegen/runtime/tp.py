@@ -51,9 +51,12 @@ except ImportError:
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, _AllReduceBackward
 
 from .checkpoint import MergedColumnConcatenate, MergedColumnSplit, tensors_of
+from .linear import absent_bias_pieces
 from .merged import find_merged_linear
 
 MERGED_COLWISE = "fusegen_merged_colwise"
+MLA_KV_A = "mla_kv_a_proj"
+"""Transformers' style for MLA's kv_a_proj_with_mqa: replicated, rope columns' gradient all-reduced."""
 LOCAL_HEADS = "fusegen_local_heads"
 
 
@@ -287,6 +290,11 @@ def _partition(module: nn.Module, mesh) -> RowPartition:
     partition = getattr(module, "tp_partition", None)
     if partition is not None and (partition.world_size, partition.rank) == (world_size, rank):
         return partition
+    if absent_bias_pieces(module):
+        raise ValueError(
+            f"{_model_name(module)}: tensor parallelism of a merged linear whose pieces differ in having a bias "
+            f"(bias_pieces={module.bias_pieces}) is not supported; load the original class for tensor parallelism"
+        )
     full_sizes = list(module.output_sizes)
     units = getattr(module, "tp_units", None) or full_sizes
     replicable = getattr(module, "tp_replicable", None) or [False] * len(full_sizes)
@@ -611,14 +619,17 @@ def fused_plan_from(
     stacked: Mapping[str, Sequence[tuple[str, Any]]],
     parents: Mapping[str, Sequence[str]] | None = None,
     heads: Collection[str] | None = None,
+    kept: Collection[str] = (),
 ) -> tuple[dict[str, str] | None, str | None]:
     """Derive a generated file's `TP_PLAN` from the original config's `base_model_tp_plan`: `(plan, None)` or
     `(None, why not)`. Used by the compiler; kept here next to the styles it names.
 
     Each merged linear takes one `fusegen_merged_colwise` rule where all of its pieces had `colwise` ones (a merge
     of attention heads also gets `fusegen_local_heads` on its owner: the merged names in `heads`, which the
-    compiler takes from the fusion kinds; without it, a merge whose shard ids are q, k, v); other rules are kept. Pieces with any other style (e.g.
-    `colwise_gather_output`) cannot be merged this way, and then no plan is derived.
+    compiler takes from the fusion kinds; without it, a merge whose shard ids are q, k, v); other rules are kept.
+    Pieces with any other style (e.g. `colwise_gather_output`) cannot be merged this way, and then no plan is
+    derived. A piece in `kept` is built on its own in the configs without the merged linear (a conditional
+    fusion), so its own rule stays as well.
     """
     if not original:
         return None, "the original config has no base_model_tp_plan"
@@ -630,8 +641,17 @@ def fused_plan_from(
         if merged is None or (parents and merged in parents and owner.rpartition(".")[2] not in parents[merged]):
             plan[key] = style
             continue
+        if leaf in kept:
+            plan[key] = style
         pieces = stacked[merged]
-        styles = {original.get(f"{owner}.{name}" if owner else name) for name, _ in pieces}
+        ordered = [original.get(f"{owner}.{name}" if owner else name) for name, _ in pieces]
+        if ordered[-1] == MLA_KV_A and not any(ordered[:-1]):
+            # MLA's q_a_proj (replicated, no rule) + kv_a_proj_with_mqa (`mla_kv_a_proj`): that style keeps the
+            # weight replicated and all-reduces the gradient of the output's last `qk_rope_head_dim` columns, which
+            # in the merged output are still kv_a_proj_with_mqa's rope columns; the q_a columns pass untouched.
+            plan.setdefault(f"{owner}.{merged}" if owner else merged, MLA_KV_A)
+            continue
+        styles = set(ordered)
         if styles != {"colwise"}:
             return None, f"{key} is {style!r}; fusegen merges only pieces that are all 'colwise'"
         head_sharded = merged in heads if heads is not None else [shard for _, shard in pieces] == ["q", "k", "v"]

@@ -250,8 +250,8 @@ def _verify_in(tmp: Path, model_type: str, text: str, torch) -> Verification:
 
 def import_causal_lm(tmp: Path, model_type: str, text: str, original_name: str) -> type:
     """Write the generated text into a package under `tmp`, import it, and return its fused causal-LM class."""
-    from fusegen.tools.convert import import_fused_module
     from fusegen.compiler.propagate import fused_name
+    from fusegen.tools.convert import import_fused_module
 
     package = tmp / "generated"
     package.mkdir()
@@ -353,10 +353,6 @@ def preload() -> None:
     import transformers.generation.utils
     import transformers.modeling_utils  # noqa: F401
 
-    import fusegen.tools.convert
-    import fusegen.compiler.resolve
-    import fusegen.runtime
-    import fusegen.compiler.shrink  # noqa: F401
 
 
 def collect(model_types: list[str], jobs: int, timeout: float, log=print) -> list[Row]:

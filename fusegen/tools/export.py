@@ -19,9 +19,9 @@ import os
 import shutil
 from pathlib import Path
 
-from fusegen.tools.convert import _empty_or_absent, causal_lm_class, import_fused_module, read_config
 from fusegen.errors import EXIT_OK, InputError, command
 from fusegen.runtime.auto import CONFIG_NAME, canonical_architectures
+from fusegen.tools.convert import _empty_or_absent, causal_lm_class, import_fused_module, read_config
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
