@@ -75,11 +75,10 @@ from transformers.models.gemma4.modeling_gemma4 import (
 )
 
 from fusegen.runtime import (
+    FusedPreTrainedMixin,
     MergedColumnLinear,
-    check_loading,
     register_fused_causal_lm,
     register_stacked_checkpoint,
-    stream_weights,
 )
 
 STACKED_PARAMS_MAPPING = {
@@ -105,7 +104,6 @@ TP_PLAN = {
 
 
 class FusedGemma4TextMLP(nn.Module):
-
     def __init__(self, config: Gemma4TextConfig, layer_idx: int):
         super().__init__()
         kv_sharing_mode = config.kv_sharing_modes[layer_idx]
@@ -137,23 +135,30 @@ class FusedGemma4TextAttention(nn.Module):
         self.layer_idx = layer_idx
         self.is_sliding = self.layer_type == "sliding_attention"
         self.sliding_window = config.sliding_window if self.is_sliding else None
+
         layer_config = config.per_layer_config[layer_idx]
         self.head_dim = layer_config.head_dim
-        self.use_alternative_attention = config.attention_k_eq_v and (not self.is_sliding)
+        self.use_alternative_attention = config.attention_k_eq_v and not self.is_sliding
         self.num_key_value_groups = config.num_attention_heads // layer_config.num_key_value_heads
         self.scaling = 1.0
         self.attention_dropout = self.config.attention_dropout
         self.is_causal = config.use_bidirectional_attention != "all"
+
+        # Shared kv cache
         kv_sharing_mode = config.kv_sharing_modes[layer_idx]
         self.is_kv_shared_layer = kv_sharing_mode == "reuse"
         self.store_full_length_kv = kv_sharing_mode == "store"
+
         self.q_proj = nn.Linear(
             config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
         )
         self.q_norm = Gemma4RMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)
+
+        # Layers sharing kv states don't need any weight matrices
         if not self.is_kv_shared_layer:
             self.k_norm = Gemma4RMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)
             self.v_norm = Gemma4RMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
+
             self.kv_proj = (
                 MergedColumnLinear(
                     config.hidden_size,
@@ -174,6 +179,7 @@ class FusedGemma4TextAttention(nn.Module):
                     config.hidden_size, layer_config.num_key_value_heads * self.head_dim, bias=config.attention_bias
                 )
             )
+
         self.o_proj = nn.Linear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
@@ -190,13 +196,20 @@ class FusedGemma4TextAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+
         cos, sin = position_embeddings
+
         query_states = self.q_proj(hidden_states).view(hidden_shape)
         query_states = self.q_norm(query_states)
         query_states = apply_rotary_pos_emb(query_states, cos, sin, unsqueeze_dim=2)
         query_states = query_states.transpose(1, 2)
+
+        # For layers with shared KV (from kv sharing point onwards), we reuse the same keys/values states as the last non-sharing layer.
+        # We cannot simply reuse the cached state if we have a Cache, as sliding layers will not remember the full states in their Cache
+        # once we are past the sliding window - so we always use `shared_kv_states` instead, even when cache is not None
         if self.is_kv_shared_layer:
             key_states, value_states = shared_kv_states[self.layer_type]
+
         else:
             if self.kv_proj is not None:
                 k_proj_out, v_proj_out = self.kv_proj(hidden_states).split(self.kv_proj_sizes, dim=-1)
@@ -204,18 +217,24 @@ class FusedGemma4TextAttention(nn.Module):
                 k_proj_out = self.k_proj(hidden_states)
             key_states = k_proj_out.view(hidden_shape)
             value_states = v_proj_out.view(hidden_shape) if self.kv_proj is not None else key_states
+
             key_states = self.k_norm(key_states)
             key_states = apply_rotary_pos_emb(key_states, cos, sin, unsqueeze_dim=2)
             key_states = key_states.transpose(1, 2)
+
             value_states = self.v_norm(value_states)
             value_states = value_states.transpose(1, 2)
+
             if cache is not None:
                 key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
         if self.store_full_length_kv:
-            shared_kv_states[self.layer_type] = (key_states, value_states)
+            shared_kv_states[self.layer_type] = key_states, value_states
+
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -227,13 +246,13 @@ class FusedGemma4TextAttention(nn.Module):
             sliding_window=self.sliding_window,
             **kwargs,
         )
+
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
-        return (attn_output, attn_weights)
+        return attn_output, attn_weights
 
 
 class FusedGemma4TextDecoderLayer(GradientCheckpointingLayer):
-
     def __init__(self, config: Gemma4TextConfig | Gemma4VisionConfig, layer_idx: int):
         super().__init__()
         self.config = config
@@ -246,12 +265,14 @@ class FusedGemma4TextDecoderLayer(GradientCheckpointingLayer):
         self.pre_feedforward_layernorm = Gemma4RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
         self.post_feedforward_layernorm = Gemma4RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
         self.layer_scalar = nn.Buffer(torch.ones(1))
+
         self.hidden_size_per_layer_input = config.hidden_size_per_layer_input
         if self.hidden_size_per_layer_input:
             self.act_fn = ACT2FN[config.hidden_activation]
             self.per_layer_input_gate = nn.Linear(self.hidden_size, self.hidden_size_per_layer_input, bias=False)
             self.per_layer_projection = nn.Linear(self.hidden_size_per_layer_input, self.hidden_size, bias=False)
             self.post_per_layer_input_norm = Gemma4RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
+
         self.enable_moe_block = config.enable_moe_block
         if self.enable_moe_block:
             self.router = Gemma4TextRouter(config)
@@ -273,6 +294,7 @@ class FusedGemma4TextDecoderLayer(GradientCheckpointingLayer):
         **kwargs,
     ) -> torch.Tensor:
         residual = hidden_states
+
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -285,20 +307,28 @@ class FusedGemma4TextDecoderLayer(GradientCheckpointingLayer):
         )
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = residual + hidden_states
+
         residual = hidden_states
         hidden_states = self.pre_feedforward_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
+
         if self.enable_moe_block:
             hidden_states_1 = self.post_feedforward_layernorm_1(hidden_states)
+
+            # Take hidden states before MLP here
             hidden_states_flat = residual.reshape(-1, residual.shape[-1])
             _, top_k_weights, top_k_index = self.router(hidden_states_flat)
             hidden_states_2 = self.pre_feedforward_layernorm_2(hidden_states_flat)
             hidden_states_2 = self.experts(hidden_states_2, top_k_index, top_k_weights)
             hidden_states_2 = hidden_states_2.reshape(residual.shape)
             hidden_states_2 = self.post_feedforward_layernorm_2(hidden_states_2)
+
+            # Combine mlp and moe outputs
             hidden_states = hidden_states_1 + hidden_states_2
+
         hidden_states = self.post_feedforward_layernorm(hidden_states)
         hidden_states = residual + hidden_states
+
         if self.hidden_size_per_layer_input:
             residual = hidden_states
             hidden_states = self.per_layer_input_gate(hidden_states)
@@ -307,12 +337,13 @@ class FusedGemma4TextDecoderLayer(GradientCheckpointingLayer):
             hidden_states = self.per_layer_projection(hidden_states)
             hidden_states = self.post_per_layer_input_norm(hidden_states)
             hidden_states = residual + hidden_states
+
         hidden_states *= self.layer_scalar
         return hidden_states
 
 
 @auto_docstring
-class FusedGemma4PreTrainedModel(PreTrainedModel):
+class FusedGemma4PreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):
     config: Gemma4Config
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -325,9 +356,10 @@ class FusedGemma4PreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
+
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    _can_record_outputs = None
+    _can_record_outputs = None  # override
     input_modalities = ("image", "text", "video", "audio")
 
     def _init_weights(self, module):
@@ -377,16 +409,24 @@ class FusedGemma4PreTrainedModel(PreTrainedModel):
         self.base_model.embed_tokens_per_layer = value
 
     def resize_token_embeddings(
-        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+        self,
+        new_num_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        mean_resizing: bool = True,
     ) -> nn.Embedding:
         inputs_embeds = super().resize_token_embeddings(
-            new_num_tokens=new_num_tokens, pad_to_multiple_of=pad_to_multiple_of, mean_resizing=mean_resizing
+            new_num_tokens=new_num_tokens,
+            pad_to_multiple_of=pad_to_multiple_of,
+            mean_resizing=mean_resizing,
         )
         self._resize_per_layer_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         return inputs_embeds
 
     def _resize_per_layer_embeddings(
-        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+        self,
+        new_num_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        mean_resizing: bool = True,
     ):
         self.config.get_text_config().vocab_size_per_layer_input = self.vocab_size
         if self.config.get_text_config().hidden_size_per_layer_input:
@@ -399,45 +439,6 @@ class FusedGemma4PreTrainedModel(PreTrainedModel):
                 add_hook_to_module(new_embeddings_per_layer, hook)
             new_embeddings_per_layer.requires_grad_(embed_tokens_per_layer.weight.requires_grad)
             self.set_per_layer_input_embeddings(new_embeddings_per_layer)
-
-    @classmethod
-    def _finalize_model_loading(cls, model, load_config, loading_info):
-        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
-        check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
-        return super()._finalize_model_loading(model, load_config, loading_info)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """Transformers' from_pretrained, for the canonical layout and `fusegen convert`'s fused one (validated first)."""
-        from fusegen.runtime import fused_from_pretrained
-
-        return fused_from_pretrained(
-            cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs
-        )
-
-    @classmethod
-    def is_custom_code(cls):
-        """Generated from Transformers' own code: load and initialise the way Transformers treats its own models."""
-        return False
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
-        from fusegen.runtime import save_pretrained_canonically
-
-        return save_pretrained_canonically(self, super().save_pretrained, save_directory, *args, **kwargs)
-
-    def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
-        """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
-        from fusegen.runtime import load_adapter_packed
-
-        return load_adapter_packed(
-            self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs
-        )
-
-    @classmethod
-    def _can_set_experts_implementation(cls):
-        """The experts classes live in the original module, which has the decorator Transformers looks for here."""
-        return True
 
 
 @auto_docstring(custom_intro="The base Gemma 4 language model without a language modeling head.")
@@ -454,6 +455,8 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
+
+        # Gemma4 downcasts the below to bfloat16, causing sqrt(3072)=55.4256 to become 55.5. See https://github.com/huggingface/transformers/pull/29402
         self.embed_tokens = Gemma4TextScaledWordEmbedding(
             config.vocab_size, config.hidden_size, self.padding_idx, embed_scale=self.config.hidden_size**0.5
         )
@@ -465,6 +468,10 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
         self.gradient_checkpointing = False
         self.unique_layer_types = set(self.config.layer_types)
         self.first_kv_shared_layer_idx = config.num_hidden_layers - config.num_kv_shared_layers
+
+        # Per-Layer Embeddings (PLE): auxiliary embedding that feeds a residual signal
+        # into each decoder layer. See `get_per_layer_inputs()` and `project_per_layer_inputs()`
+        # for the full pipeline. The embedding is packed: total dim = num_layers * per_layer_dim.
         self.hidden_size_per_layer_input = config.hidden_size_per_layer_input
         if self.hidden_size_per_layer_input:
             self.embed_tokens_per_layer = Gemma4TextScaledWordEmbedding(
@@ -473,18 +480,24 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
                 self.padding_idx,
                 embed_scale=config.hidden_size_per_layer_input**0.5,
             )
-            self.per_layer_input_scale = 2.0 ** (-0.5)
+            self.per_layer_input_scale = 2.0**-0.5
             self.per_layer_model_projection = nn.Linear(
-                config.hidden_size, config.num_hidden_layers * config.hidden_size_per_layer_input, bias=False
+                config.hidden_size,
+                config.num_hidden_layers * config.hidden_size_per_layer_input,
+                bias=False,
             )
-            self.per_layer_model_projection_scale = config.hidden_size ** (-0.5)
+            self.per_layer_model_projection_scale = config.hidden_size**-0.5
             self.per_layer_projection_norm = Gemma4RMSNorm(config.hidden_size_per_layer_input, eps=config.rms_norm_eps)
+
+        # Update `_keys_to_ignore_on_load_unexpected` to drop all k/v proj and norms for the shared layers
         self._keys_to_ignore_on_load_unexpected = []
         for i, layer in enumerate(self.layers):
             if layer.self_attn.is_kv_shared_layer:
                 self._keys_to_ignore_on_load_unexpected.extend(
                     [f"layers.{i}.self_attn.{name}" for name in ("k_proj", "v_proj", "k_norm", "v_norm")]
                 )
+
+        # Initialize weights and apply final processing
         self.post_init()
 
     @merge_with_config_defaults
@@ -503,7 +516,7 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Gemma4TextModelOutputWithPast:
-        """
+        r"""
         per_layer_inputs (`torch.Tensor`, *optional*):
             Pre-computed per-layer input text embeddings of shape `(batch_size, sequence_length, num_hidden_layers,
             hidden_size_per_layer_input)`. When provided, these are used directly instead of being computed from `input_ids`
@@ -513,21 +526,29 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
         if input_ids is not None and per_layer_inputs is not None:
             raise ValueError("You cannot specify per_layer_inputs if input_ids is provided")
+
         if input_ids is not None:
             inputs_embeds = self.embed_tokens(input_ids)
+
         if self.hidden_size_per_layer_input:
             if per_layer_inputs is None:
                 per_layer_inputs = self.get_per_layer_inputs(input_ids, inputs_embeds)
             per_layer_inputs = self.project_per_layer_inputs(inputs_embeds, per_layer_inputs)
+
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
-        if not isinstance((causal_mask_mapping := attention_mask), dict):
+
+        # It may already have been prepared by e.g. `generate`
+        if not isinstance(causal_mask_mapping := attention_mask, dict):
+            # Prepare mask arguments
             mask_kwargs = {
                 "config": self.config,
                 "inputs_embeds": inputs_embeds,
@@ -535,18 +556,28 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
                 "cache": cache,
                 "position_ids": position_ids,
             }
+            # Create the masks
             causal_mask_mapping = {
                 "full_attention": create_causal_mask(**mask_kwargs),
                 "sliding_attention": create_sliding_window_causal_mask(**mask_kwargs),
             }
+
+        # embed positions
         hidden_states = inputs_embeds
         position_embeddings = {}
         for layer_type in self.unique_layer_types:
             position_embeddings[layer_type] = self.rotary_emb(hidden_states, position_ids, layer_type)
+
+        # Initialize as empty storage, or reuse past shared states.
         shared_kv_states = kwargs.pop("shared_kv_states", None)
         if not isinstance(shared_kv_states, KVSharingDict):
             shared_kv_states = KVSharingDict(shared_kv_states)
+
+        # decoder layers
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            # Starting at `first_kv_shared_layer_idx`, we will always reuse k/v of previous layers. This means that we can
+            # drop the seq_len dimension according to `logits_to_keep` for all remaining layers since we do not look at the past
+            # anymore, which leads to much faster forward for large seq_len
             if i == self.first_kv_shared_layer_idx:
                 hidden_states, per_layer_inputs, position_embeddings, causal_mask_mapping = (
                     self._maybe_slice_kv_shared_inputs(
@@ -559,7 +590,9 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
                         **kwargs,
                     )
                 )
+
             per_layer_input = per_layer_inputs[:, :, i, :] if per_layer_inputs is not None else None
+
             hidden_states = decoder_layer(
                 hidden_states,
                 per_layer_input,
@@ -570,7 +603,9 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
                 cache=cache,
                 **kwargs,
             )
+
         hidden_states = self.norm(hidden_states)
+
         return Gemma4TextModelOutputWithPast(
             last_hidden_state=hidden_states,
             cache=cache,
@@ -592,8 +627,12 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
         """
         if not self.hidden_size_per_layer_input:
             raise RuntimeError(
-                f"Attempting to call get_per_layer_inputs() from a model initialized with a config that does not support per-layer embeddings. {self.config}"
+                "Attempting to call get_per_layer_inputs() from a model initialized with a config that does not support"
+                f" per-layer embeddings. {self.config}"
             )
+
+        # If only inputs_embeds are provided, reverse main embedding to find the input_ids - this allows to `generate`
+        # from `inputs_embeds` only as other models (otherwise it would need the value from both embeddings)
         if input_ids is None:
             with torch.no_grad():
                 input_ids = (
@@ -608,14 +647,21 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
                     input_ids = input_ids.view(inputs_embeds.shape[:2])
                 except RuntimeError:
                     raise RuntimeError(
-                        "It seems like you tried to call `forward` from `inputs_embeds` without providing `input_ids`, and that the `inputs_embeds` you provided do not exactly match the embedding weights. Since Gemma4 needs to reverse the embedding to compute another embedding, make sure you provide exact `inputs_embeds`"
+                        "It seems like you tried to call `forward` from `inputs_embeds` without providing `input_ids`, and that "
+                        "the `inputs_embeds` you provided do not exactly match the embedding weights. Since Gemma4 needs to reverse "
+                        "the embedding to compute another embedding, make sure you provide exact `inputs_embeds`"
                     )
+
         return self.embed_tokens_per_layer(input_ids).reshape(
-            *input_ids.shape, self.config.num_hidden_layers, self.hidden_size_per_layer_input
+            *input_ids.shape,
+            self.config.num_hidden_layers,
+            self.hidden_size_per_layer_input,
         )
 
     def project_per_layer_inputs(
-        self, inputs_embeds: torch.Tensor, per_layer_inputs: torch.Tensor | None = None
+        self,
+        inputs_embeds: torch.Tensor,
+        per_layer_inputs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Compute the context-aware component of PLE and combine with token-identity.
 
@@ -630,15 +676,21 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
         """
         if not self.hidden_size_per_layer_input:
             raise RuntimeError(
-                f"Attempting to call project_per_layer_inputs() from a model initialized with a config that does not support per-layer embeddings. {self.config}"
+                "Attempting to call project_per_layer_inputs() from a model initialized with a config that does not"
+                f" support per-layer embeddings. {self.config}"
             )
+
         per_layer_projection = self.per_layer_model_projection(inputs_embeds) * self.per_layer_model_projection_scale
         per_layer_projection = per_layer_projection.reshape(
-            *inputs_embeds.shape[:-1], self.config.num_hidden_layers, self.hidden_size_per_layer_input
+            *inputs_embeds.shape[:-1],
+            self.config.num_hidden_layers,
+            self.hidden_size_per_layer_input,
         )
         per_layer_projection = self.per_layer_projection_norm(per_layer_projection)
+
         if per_layer_inputs is None:
             return per_layer_projection
+
         return (per_layer_projection + per_layer_inputs) * self.per_layer_input_scale
 
     def _maybe_slice_kv_shared_inputs(
@@ -662,22 +714,30 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
         batch_size, seq_len = hidden_states.shape[:2]
         record_keys = ("output_hidden_states", "output_attentions", "output_router_logits")
         can_optimize = True
-        if seq_len == 1 or any((kwargs.get(k) or getattr(self.config, k, False) for k in record_keys)):
+        # If the seq_len is already 1 (i.e. decoding), or we request any additional output, exit early
+        if seq_len == 1 or any(kwargs.get(k) or getattr(self.config, k, False) for k in record_keys):
             can_optimize = False
+        # To keep it simple, as it's the usual case
         elif not isinstance(logits_to_keep, int):
             can_optimize = False
-        elif self.config._attn_implementation == "flex_attention":
+        # Flex cannot slice mask
+        elif self.config._attn_implementation == "flex_attention":  # trf-ignore: TRF051
             can_optimize = False
+        # Flash cannot slice mask
         elif is_flash_attention_requested(self.config):
             can_optimize = False
+        # In those 2 cases, we cannot rely on the `is_causal` attribute, as dropping some query tokens will make us loose causality
         elif (
-            self.config._attn_implementation == "sdpa"
+            self.config._attn_implementation == "sdpa"  # trf-ignore: TRF051
             and (logits_to_keep > 1 or getattr(cache, "is_compileable", False))
-            and any((mask is None for mask in causal_mask_mapping.values()))
+            and any(mask is None for mask in causal_mask_mapping.values())
         ):
             can_optimize = False
+
+        # If we cannot optimize, return untouched inputs will the full seq_len
         if not can_optimize:
-            return (hidden_states, per_layer_inputs, position_embeddings, causal_mask_mapping)
+            return hidden_states, per_layer_inputs, position_embeddings, causal_mask_mapping
+
         logits_to_keep = slice(-logits_to_keep, None)
         hidden_states = hidden_states[:, logits_to_keep, :]
         per_layer_inputs = per_layer_inputs[:, logits_to_keep, :, :]
@@ -687,16 +747,8 @@ class FusedGemma4TextModel(FusedGemma4PreTrainedModel):
         causal_mask_mapping = {
             k: v[:, :, logits_to_keep, :] if v is not None else None for k, v in causal_mask_mapping.items()
         }
-        return (hidden_states, per_layer_inputs, position_embeddings, causal_mask_mapping)
 
-    def init_parallel_plans(self):
-        """Transformers' parallel plans, with TP_PLAN's rules for the merged projections.
-
-        fusegen.runtime.tp is imported here, when a model is built, so importing this file stays light.
-        """
-        from fusegen.runtime import init_fused_parallel_plans
-
-        init_fused_parallel_plans(self, TP_PLAN)
+        return hidden_states, per_layer_inputs, position_embeddings, causal_mask_mapping
 
 
 @auto_docstring(custom_intro="The base Gemma 4 language model with a language modeling head.")
@@ -713,6 +765,8 @@ class FusedGemma4ForCausalLM(FusedGemma4PreTrainedModel, GenerationMixin):
         self.model = FusedGemma4TextModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        # Initialize weights and apply final processing
         self.post_init()
 
     @can_return_tuple
@@ -731,7 +785,7 @@ class FusedGemma4ForCausalLM(FusedGemma4PreTrainedModel, GenerationMixin):
         per_layer_inputs: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Gemma4CausalLMOutputWithPast:
-        """
+        r"""
         per_layer_inputs (`torch.Tensor`, *optional*):
             Pre-computed per-layer input text embeddings of shape `(batch_size, sequence_length, num_hidden_layers,
             hidden_size_per_layer_input)`. When provided, these are used directly instead of being computed from `input_ids`
@@ -755,6 +809,7 @@ class FusedGemma4ForCausalLM(FusedGemma4PreTrainedModel, GenerationMixin):
         >>> tokenizer.batch_decode(generate_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
         "What is your favorite condiment?"
         ```"""
+        # decoder outputs consists of (dec_features, layer_state, dec_hidden, dec_attn)
         outputs: Gemma4TextModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -766,7 +821,9 @@ class FusedGemma4ForCausalLM(FusedGemma4PreTrainedModel, GenerationMixin):
             logits_to_keep=logits_to_keep,
             **kwargs,
         )
+
         hidden_states = outputs.last_hidden_state
+        # May have been already sliced to logits_to_kep
         if hidden_states.shape[1] == (input_ids if input_ids is not None else inputs_embeds).shape[1]:
             hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         logits = self.lm_head(hidden_states)
@@ -774,9 +831,11 @@ class FusedGemma4ForCausalLM(FusedGemma4PreTrainedModel, GenerationMixin):
             logits = logits / self.config.final_logit_softcapping
             logits = torch.tanh(logits)
             logits = logits * self.config.final_logit_softcapping
+
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+
         return Gemma4CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -786,10 +845,6 @@ class FusedGemma4ForCausalLM(FusedGemma4PreTrainedModel, GenerationMixin):
             shared_kv_states=outputs.shared_kv_states,
             router_logits=outputs.router_logits,
         )
-
-    def load_weights(self, weights):
-        """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model."""
-        return stream_weights(self, weights)
 
 
 register_stacked_checkpoint(
