@@ -22,6 +22,8 @@ from fusegen.testkit import MODELS, model_classes, small_config
 from fusegen.tools.convert import convert_checkpoint
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
 
+pytestmark = pytest.mark.slow  # fused-layout checkpoints written and loaded many ways, one in a fresh process
+
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ROOT / "generated"
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
@@ -274,7 +276,6 @@ CUT_AFTER_VALIDATION = textwrap.dedent("""
     """)
 
 
-@pytest.mark.slow
 def test_file_cut_after_validation_raises_not_sigbus(tmp_path):
     """Run in a child process: a regression here would be a SIGBUS, which must not take the test run down."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -655,6 +655,7 @@ PROJECTION_RULES = {"projection-hook", "global-hook", "linear-subclass", "parame
 """Rules judged on the instantiated modules, which have no source line."""
 
 
+@pytest.mark.slow  # 30 builds, each saved, loaded and run
 @pytest.mark.parametrize("name", sorted(ALL_SAFE))
 def test_safe_case_is_fused_and_computes_the_same(case_path, tmp_path, name):
     init, forward, extra, layer = ALL_SAFE[name]

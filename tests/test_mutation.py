@@ -12,6 +12,8 @@ import pytest
 from fusegen.compiler import safety
 from fusegen.tools.fuzz import SETUPS, Case, Harness
 
+pytestmark = pytest.mark.slow  # every rule switched off in turn, each case built and run
+
 Q, K, V = "q = self.q_proj(x)", "k = self.k_proj(x)", "v = self.v_proj(x)"
 
 MUTANTS = {
