@@ -461,35 +461,39 @@ def compile_forward(cls: type, forward: ast.FunctionDef, namespace: dict | None 
     return namespace[forward.name]
 
 
-def check_exact(cls: type, instance: nn.Module, plan: NormPlan, namespace: dict | None = None, seed: int = 0) -> int:
-    """Run the original and the rewritten forward side by side; the number of cases, or `Refused("norm-inexact")`.
-
-    Both run on one materialised copy of `instance` (the rewrite leaves `__init__` alone, so the state is the same),
-    with random parameters, over every combination of `SIZES` (when all parameters are vectors), `BATCH_SHAPES`,
-    `SCALES`, `EPS_VALUES` and `DTYPES`, plus a strided view (the split of a merged projection). Output, input
-    gradient and every parameter gradient must be bit-identical (`torch.equal`, dtypes equal too).
-    """
+def check_exact(cls: type, instance: nn.Module, plan: NormPlan, namespace: dict | None = None) -> int:
+    """Run the original and the rewritten forward side by side; the number of cases, or `Refused("norm-inexact")`."""
     classdef = rewritten_class(cls, plan)
     rewritten = compile_forward(cls, astutil.method(classdef, "forward"), namespace)
-    original = cls.forward
+    return compare_forwards(instance, cls.forward, rewritten, plan.eps, plan.class_name)
+
+
+def compare_forwards(instance: nn.Module, original, rewritten, eps: str, name: str, seed: int = 0) -> int:
+    """The number of cases on which `rewritten` matched `original` bit for bit; `Refused("norm-inexact")` otherwise.
+
+    Both run on one materialised copy of `instance` (the rewrite leaves `__init__` alone, so the state is the same),
+    with random parameters, for every norm size (`SIZES` and the instance's own, when all parameters are vectors),
+    every case of `_cases` and every entry of `DTYPES`. Output, input gradient and every parameter gradient must be
+    bit-identical (`torch.equal`, and the same dtype).
+    """
     module = copy.deepcopy(instance).to_empty(device="cpu")
     vectors = all(p.dim() == 1 for p in module.parameters()) and all(b.dim() == 1 for b in module.buffers())
     own = next((p.shape for p in module.parameters()), None)
-    norm_shapes = [(size,) for size in (own[-1:] if own else ()) + SIZES] if vectors or own is None else [own]
+    norm_shapes = [(size,) for size in (tuple(own[-1:]) if own else ()) + SIZES] if vectors or own is None else [own]
     generator = torch.Generator().manual_seed(seed)
     cases = 0
-    own_eps = getattr(module, plan.eps)
+    own_eps = getattr(module, eps)
     try:
         for norm_shape in dict.fromkeys(tuple(s) for s in norm_shapes):
             _resize(module, norm_shape, generator)
-            for x, eps, what in _cases(norm_shape, generator):
+            for x, value, what in _cases(norm_shape, generator):
                 for label, param_dtype, input_dtype in DTYPES:
-                    setattr(module, plan.eps, own_eps if eps is None else eps)
+                    setattr(module, eps, own_eps if value is None else value)
                     state = {k: v.to(param_dtype) for k, v in module.state_dict().items()}
-                    _compare(module, state, original, rewritten, x.to(input_dtype), f"{label}, {what}", plan)
+                    _compare(module, state, original, rewritten, x.to(input_dtype), f"{label}, {what}", name)
                     cases += 1
     finally:
-        setattr(module, plan.eps, own_eps)
+        setattr(module, eps, own_eps)
     return cases
 
 
@@ -503,7 +507,7 @@ def _resize(module: nn.Module, shape: tuple, generator: torch.Generator) -> None
             module._buffers[name] = value
 
 
-def _compare(module, state, original, rewritten, x, where: str, plan: NormPlan) -> None:
+def _compare(module, state, original, rewritten, x, where: str, name: str) -> None:
     """Raise `norm-inexact` unless both forwards give equal outputs and equal gradients for one random cotangent."""
     runs = []
     for forward in (original, rewritten):
@@ -512,10 +516,10 @@ def _compare(module, state, original, rewritten, x, where: str, plan: NormPlan) 
         try:
             runs.append((inputs, params, forward(module, inputs)))
         except Exception as error:  # noqa: BLE001 - a rewrite that fails where the original runs is a refusal
-            raise Refused("norm-inexact", f"{plan.class_name}: the rewrite fails on {where}: {error!r}"[:400]) from None
+            raise Refused("norm-inexact", f"{name}: the rewrite fails on {where}: {error!r}"[:400]) from None
     (_, _, expected), (_, _, actual) = runs
     if expected.dtype != actual.dtype or not torch.equal(expected, actual):
-        raise Refused("norm-inexact", f"{plan.class_name}: output differs on {where}{_diff(expected, actual)}")
+        raise Refused("norm-inexact", f"{name}: output differs on {where}{_diff(expected, actual)}")
     cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(len(where))).to(expected.dtype)
     gradients = []
     for inputs, params, out in runs:
@@ -523,7 +527,7 @@ def _compare(module, state, original, rewritten, x, where: str, plan: NormPlan) 
     for index, (a, b) in enumerate(zip(*gradients)):
         if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
             what = "input" if index == 0 else "parameter"
-            raise Refused("norm-inexact", f"{plan.class_name}: {what} gradient differs on {where}{_diff(a, b)}")
+            raise Refused("norm-inexact", f"{name}: {what} gradient differs on {where}{_diff(a, b)}")
 
 
 def _fresh_state(module: nn.Module, state: dict) -> list[nn.Parameter]:
