@@ -60,6 +60,7 @@ RULES = {
     "norm-attribute": "an attribute read that is not a parameter, buffer or number set on the instance",
     "norm-not-rms": "the computation is not the float32 RMS normalisation the kernel computes",
     "norm-inexact": "the rewritten forward differs from the original when executed",
+    "norm-subclassed": "another class of the model subclasses the norm and would inherit the rewrite",
 }
 """Rule ids of this kind's refusals (what `fusegen report` prints), with what each one means."""
 
@@ -546,3 +547,39 @@ def _diff(expected: torch.Tensor, actual: torch.Tensor) -> str:
     if expected.shape != actual.shape or expected.dtype != actual.dtype:
         return f" ({expected.dtype}{tuple(expected.shape)} vs {actual.dtype}{tuple(actual.shape)})"
     return f" (max |diff| {(expected.double() - actual.double()).abs().max().item():.3g})"
+
+
+# --- the kind in the pipeline ----------------------------------------------------------------------------------------
+
+
+def norm_candidates(model: nn.Module) -> dict[type, nn.Module]:
+    """One instance of each leaf module class (no children) of `model` defined outside torch, in first-seen order.
+
+    The rewrite needs the class's own source, so torch's modules (`nn.LayerNorm`, `nn.RMSNorm`) are not candidates.
+    """
+    found: dict[type, nn.Module] = {}
+    for module in model.modules():
+        cls = type(module)
+        if cls not in found and not cls.__module__.startswith("torch.") and not list(module.children()):
+            found[cls] = module
+    return found
+
+
+def reported(cls: type) -> bool:
+    """Whether a refusal of `cls` is worth a report line: only classes named as norms (a rotary embedding is a leaf
+    module too, and is not a norm the kind failed to fuse)."""
+    return "norm" in cls.__name__.lower()
+
+
+def analyse_norm(cls: type, instance: nn.Module, model: nn.Module) -> tuple[NormPlan, ast.ClassDef]:
+    """The plan and the rewritten class statement for norm class `cls`, or `Refused` with the rule.
+
+    Besides `derive` and `check_exact`: a class of the model that subclasses `cls` is refused (`norm-subclassed`), since
+    it would inherit the rewritten forward while its own `__init__`, never checked, may set the state differently.
+    """
+    heirs = sorted({type(m).__name__ for m in model.modules() if issubclass(type(m), cls) and type(m) is not cls})
+    if heirs:
+        raise Refused("norm-subclassed", f"{', '.join(heirs)} subclass {cls.__name__} and would inherit the rewrite")
+    plan = derive(cls, instance)
+    check_exact(cls, instance, plan)
+    return plan, rewritten_class(cls, plan)
