@@ -1,6 +1,7 @@
 """Refusals decided outside one class: checkpoints already merged, fused classes the model never builds."""
 
 from fusegen.compiler.build import analyse, build
+from fusegen.compiler.plan import Veto
 
 
 def rules(outcomes):
@@ -44,3 +45,15 @@ def test_projection_named_like_another_fusions_merged_linear_is_refused():
     outcomes = analyse("minimax").outcomes
     assert ("MiniMaxLightningAttention", "ambiguous-checkpoint-names") in rules(outcomes)
     assert any(plan.merged == "qkv_proj" for o in outcomes if o.class_name == "MiniMaxAttention" for plan in o.fused)
+
+
+def test_a_veto_carries_its_rule_id_as_data():
+    # The rule comes from the veto itself, never from its wording: a reason no rule's message resembles keeps the
+    # rule it was given (before, the rule was guessed from the reason's text and this came back as another rule).
+    veto = Veto("some-new-rule", "a reason worded like no other rule's")
+    outcomes = analyse("llama", refused={"LlamaAttention": {"qkv_proj": veto}}).outcomes
+    (attention,) = [o for o in outcomes if o.class_name == "LlamaAttention"]
+    assert [(r.projections, r.rule, r.reason) for r in attention.refused] == [
+        (("q_proj", "k_proj", "v_proj"), "some-new-rule", "a reason worded like no other rule's")
+    ]
+    assert [plan.merged for o in outcomes for plan in o.fused] == ["gate_up_proj"]

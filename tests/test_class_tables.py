@@ -63,7 +63,7 @@ def test_a_holder_built_from_a_class_table_is_scoped_by_the_attribute_it_is_assi
     # use of the table (passing it on) leaves those holders unscoped ("").
     import ast
 
-    from fusegen.compiler.build import _holder_references
+    from fusegen.compiler.scopes import holder_references as _holder_references
 
     classdef = ast.parse(
         "class Attention:\n"

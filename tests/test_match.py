@@ -4,7 +4,7 @@ import pytest
 
 from fusegen.compiler.build import build
 from fusegen.tools.coverage import verify
-from fusegen.compiler.match import merged_name
+from fusegen.fusions.siblings import merged_name
 
 
 @pytest.mark.parametrize(

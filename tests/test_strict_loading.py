@@ -244,7 +244,7 @@ def test_parents_come_from_every_construction_site_in_the_source():
     """Both branches of a conditional count; a holder built any other way leaves its merged name unscoped."""
     import ast
 
-    from fusegen.compiler.build import _holder_references
+    from fusegen.compiler.scopes import holder_references as _holder_references
 
     source = """
 class Layer(nn.Module):

@@ -1,4 +1,4 @@
-"""The import block of a generated file: exactly the globals its classes use.
+"""Stage 6e: the import block of a generated file: exactly the globals its classes use.
 
 Unchanged helpers are imported from the original modeling module rather than
 copied, so a generated file stays small and picks up upstream fixes. Every
@@ -9,6 +9,7 @@ only modules (`torch`, `nn`) are imported by their own name.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import inspect
 import symtable
@@ -34,6 +35,40 @@ def global_names(source: str) -> set[str]:
 
     visit(module)
     return used - defined
+
+
+def import_block(emitted: dict, skip: set[str], runtime: set[str], runtime_if_used: set[str]) -> list[str]:
+    """The import lines of a generated file holding the (renamed) class statements of `emitted`.
+
+    Every global a class reads, less `skip` (the file's own classes and module-level names), is imported as its
+    module binds it (`use` aliases a name two modules bind differently); `runtime` names of fusegen.runtime are
+    imported always (the template calls them), `runtime_if_used` only where a class reads them.
+    """
+    used: dict[str, tuple[ModuleType | None, str]] = {}
+    for item in emitted.values():
+        for used_name in sorted(global_names(ast.unparse(item.classdef)) - skip):
+            use(used, used_name, item)
+    for name in runtime | (runtime_if_used & set(used)):
+        used[name] = (None, "")
+    return import_lines(used, runtime | runtime_if_used)
+
+
+def use(used: dict[str, tuple[ModuleType | None, str]], name: str, item) -> None:
+    """Record that `item`'s class reads the global `name` from its module.
+
+    Two modules may bind one name to different objects (each model module has
+    its own `eager_attention_forward`); the later one is then imported under
+    a prefixed alias and its class's references renamed to it.
+    """
+    module = item.module
+    previous = used.setdefault(name, (module, name))[0]
+    if previous is module or getattr(previous, name, None) is getattr(module, name, None):
+        return
+    alias = f"{module.__name__.rpartition('.')[2].removeprefix('modeling_')}_{name}"
+    for node in ast.walk(item.classdef):
+        if isinstance(node, ast.Name) and node.id == name:
+            node.id = alias
+    used[alias] = (module, name)
 
 
 def import_lines(used: dict[str, tuple[ModuleType | None, str]], runtime_names: set[str]) -> list[str]:

@@ -7,9 +7,9 @@ import re
 import torch
 from torch import nn
 
-from fusegen.errors import InputError
-from fusegen.compiler.match import linear_children
+from fusegen import fusions
 from fusegen.compiler.resolve import Target
+from fusegen.errors import InputError
 
 _MISSING_ATTRIBUTE = re.compile(r"'\w+' object has no attribute '(\w+)'")
 _REPAIRS = 6
@@ -85,14 +85,15 @@ def _repair(config, error: Exception):
 
 
 def candidates(model: nn.Module) -> dict[type, nn.Module]:
-    """One instance of each module class with two or more linear children.
+    """One instance of each module class that some fusion kind wants analysed (`Kind.candidate`).
 
-    Subclassed, hooked and parametrized linears count too, so that a group
-    holding one is reported as refused, with its rule, rather than skipped.
+    The linear kinds want two or more linear children; subclassed, hooked and parametrized linears count too,
+    so that a group holding one is reported as refused, with its rule, rather than skipped.
     Ordered by first appearance, so the analysis (and its report) is deterministic.
     """
+    kinds = fusions.kinds()
     found: dict[type, nn.Module] = {}
     for module in model.modules():
-        if type(module) not in found and len(linear_children(module)) >= 2:
+        if type(module) not in found and any(kind.candidate(module) for kind in kinds):
             found[type(module)] = module
     return found

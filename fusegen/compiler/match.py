@@ -1,26 +1,26 @@
-"""Stage 4: find groups of sibling linears that read the same value.
+"""Stage 4: ask every registered fusion kind (`fusegen.fusions`) for its plans in one traced class.
 
 Works on the traced graph only; whether the source admits the rewrite is the
-rewrite stages' business. A group becomes a `FusionPlan`: QKV when the names
-are a query/key/value triplet (rows ordered q, k, v), GLU when one output goes
-through an activation and is multiplied by the other (rows ordered gate, up),
-otherwise a generic merged-column group in call order.
+rewrite stage's business. The merged-linear kinds share one search: groups of
+sibling linears whose first call reads the same value, each offered to the
+linear kinds in priority order (QKV, then GLU, then the generic sibling
+merge), each claiming what it recognises. Other kinds match a class themselves.
 """
 
 from __future__ import annotations
 
-import operator
-import os
-
-import torch
 from torch import fx, nn
 
+from fusegen import fusions
 from fusegen.compiler.plan import FusionPlan
+from fusegen.compiler.trace import Trace
 
-_QKV_STEMS = (("q", "k", "v"), ("query", "key", "value"))
-_CASTS = {"to", "float", "half", "bfloat16", "type_as", "contiguous"}
-_CONVENTIONAL_NAMES = {frozenset({"q_a_proj", "kv_a_proj_with_mqa"}): "fused_qkv_a_proj"}
-"""Merged names the serving engines, their loaders and quantization configs already use for a group."""
+
+def find_plans(trace: Trace, module: nn.Module) -> list[FusionPlan]:
+    """Every plan of every kind for the traced `module`: the linear groups (sorted by projections), then the
+    plans of the other kinds in priority order."""
+    plans = find_groups(trace.graph, module)
+    return plans + [plan for kind in fusions.kinds() for plan in kind.match(trace, module)]
 
 
 def plain_linears(module: nn.Module) -> dict[str, nn.Linear]:
@@ -73,96 +73,21 @@ def find_groups(graph: fx.Graph, module: nn.Module) -> list[FusionPlan]:
 
 
 def _split_group(nodes: list[fx.Node]) -> list[FusionPlan]:
-    """A same-input group as plans: a q/k/v triplet, GLU pairs, then the rest.
+    """A same-input group as plans: each linear kind, in priority order, claims what it recognises of the rest.
 
     Attention and MLP projections may share an input in one class (parallel
     blocks); keeping them apart keeps the merged names meaningful and lets a
     tensor-parallel runtime shard each merged linear its own way.
     """
+    from fusegen.fusions.linear import LinearKind
+
     plans = []
-    names = [str(node.target) for node in nodes]
-    qkv = _find_qkv(names)
-    if qkv is not None:
-        plans.append(FusionPlan("qkv", merged_name(qkv), tuple(zip(qkv, ("q", "k", "v")))))
-        nodes = [node for node in nodes if node.target not in qkv]
-    for gate, up in _find_glu_pairs(nodes):
-        plans.append(FusionPlan("glu", merged_name([gate, up]), ((gate, 0), (up, 1))))
-        nodes = [node for node in nodes if node.target not in (gate, up)]
-    if len(nodes) >= 2:
-        rest = [str(node.target) for node in nodes]
-        plans.append(FusionPlan("merged_column", merged_name(rest), tuple((n, i) for i, n in enumerate(rest))))
+    for kind in fusions.kinds():
+        if isinstance(kind, LinearKind):
+            claimed, nodes = kind.claim(nodes)
+            plans.extend(claimed)
     return plans
 
 
 def _same_input_width(nodes: list[fx.Node], linears: dict[str, nn.Linear]) -> bool:
     return len({linears[node.target].in_features for node in nodes}) == 1
-
-
-def merged_name(names: list[str]) -> str:
-    """`q_proj, k_proj, v_proj` -> `qkv_proj`; `gate_proj, up_proj` -> `gate_up_proj`.
-
-    The shared prefix and suffix are kept and the distinct stems joined, with
-    no separator when every stem is one letter, as the serving engines name them.
-    A group the engines name otherwise gets their name: MLA's `q_a_proj` and
-    `kv_a_proj_with_mqa` -> `fused_qkv_a_proj`.
-    """
-    if frozenset(names) in _CONVENTIONAL_NAMES:
-        return _CONVENTIONAL_NAMES[frozenset(names)]
-    prefix = os.path.commonprefix(names)
-    suffix = os.path.commonprefix([name[::-1] for name in names])[::-1]
-    suffix = suffix[suffix.find("_") :] if "_" in suffix else ""
-    stems = [name[len(prefix) : len(name) - len(suffix)] for name in names]
-    if not all(len(stem) == 1 for stem in stems):
-        # Keep only whole words of the prefix: `query`/`quux` share `qu`, not a word.
-        prefix = prefix[: prefix.rfind("_") + 1] if "_" in prefix else ""
-        stems = [name[len(prefix) : len(name) - len(suffix)] for name in names]
-    if not all(stems):
-        return "_".join(names)
-    joiner = "" if all(len(stem) == 1 for stem in stems) else "_"
-    return prefix + joiner.join(stems) + suffix
-
-
-def _find_qkv(names: list[str]) -> list[str] | None:
-    """Three of `names` forming a q/k/v triplet (same affixes), ordered q, k, v."""
-    for stems in _QKV_STEMS:
-        for name in names:
-            for stem_position in _find_all(name, stems[0]):
-                prefix, suffix = name[:stem_position], name[stem_position + len(stems[0]) :]
-                ordered = [prefix + stem + suffix for stem in stems]
-                if all(candidate in names for candidate in ordered):
-                    return ordered
-    return None
-
-
-def _find_all(text: str, part: str) -> list[int]:
-    return [i for i in range(len(text)) if text.startswith(part, i)]
-
-
-def _find_glu_pairs(nodes: list[fx.Node]) -> list[tuple[str, str]]:
-    """(gate, up) pairs with `act(gate(x)) * up(x)`, in either operand order."""
-    pairs: list[tuple[str, str]] = []
-    for gate in nodes:
-        for activated in gate.users:
-            if activated.op not in ("call_module", "call_function", "call_method"):
-                continue
-            for product in activated.users:
-                if not _is_mul(product):
-                    continue
-                for operand in product.args:
-                    up = _peel(operand)
-                    taken = {name for pair in pairs for name in pair}
-                    if up in nodes and up is not gate and not {gate.target, up.target} & taken:
-                        pairs.append((str(gate.target), str(up.target)))
-    return pairs
-
-
-def _is_mul(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in (operator.mul, torch.mul)) or (
-        node.op == "call_method" and node.target == "mul"
-    )
-
-
-def _peel(node: object) -> object:
-    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in _CASTS:
-        node = node.args[0]
-    return node

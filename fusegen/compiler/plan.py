@@ -9,21 +9,39 @@ ShardId = str | int
 
 @dataclass(frozen=True)
 class FusionPlan:
-    """Sibling linears of one class to merge into one linear, in row order."""
+    """One fusion a kind (`fusegen.fusions`) found in one class.
+
+    The base plan is what every stage after matching reads; a kind needing more data of its own may subclass it
+    (a frozen dataclass with defaulted fields).
+    """
 
     kind: str
-    """`qkv`, `glu` or `merged_column`: how the group was recognised."""
+    """The registered kind's name (`qkv`, `glu`, `merged_column`, ...): `fusegen.fusions.kind(plan.kind)`."""
     merged: str
-    """Attribute name of the merged linear (`qkv_proj`)."""
-    shards: tuple[tuple[str, ShardId], ...]
-    """Each projection's attribute name and its shard id, in row order."""
+    """What the fusion creates: the merged linear's attribute name (`qkv_proj`); for a kind that merges no
+    linears, the name its rewrite is recorded under (vetoes and refusals are keyed by it)."""
+    shards: tuple[tuple[str, ShardId], ...] = ()
+    """Each merged projection's attribute name and its shard id, in row order. Empty for a kind that merges no
+    linears: such a plan has no checkpoint mapping, no checkpoint scope and no TP rule."""
 
     @property
     def projections(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.shards)
 
+    @property
+    def subject(self) -> tuple[str, ...]:
+        """What a refusal of this plan names: its projections, or the merged name when it merges none."""
+        return self.projections or (self.merged,)
+
     def describe(self) -> str:
+        if not self.shards:
+            return f"{self.merged} ({self.kind})"
         return f"{' + '.join(self.projections)} -> {self.merged} ({self.kind})"
+
+
+def merged_linears(plans: list[FusionPlan]) -> list[FusionPlan]:
+    """The plans that merge linears (they have shards): the ones checkpoint mappings, scopes and TP plans concern."""
+    return [plan for plan in plans if plan.shards]
 
 
 @dataclass(frozen=True)
@@ -40,6 +58,19 @@ class Refusal:
     def describe(self) -> str:
         where = f" (line {self.line})" if self.line else ""
         return f"{' + '.join(self.projections)}: {self.rule}: {self.reason}{where}"
+
+
+@dataclass(frozen=True)
+class Veto:
+    """A fusion to refuse for a reason found outside its class (`fusegen.compiler.vetoes`, validation)."""
+
+    rule: str
+    """The rule id the refusal carries (`ambiguous-checkpoint-names`, `validation-mismatch`, ...)."""
+    reason: str
+
+
+Vetoes = dict[str, dict[str, Veto]]
+"""`{class name: {merged name: veto}}`."""
 
 
 @dataclass

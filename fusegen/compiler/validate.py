@@ -1,4 +1,4 @@
-"""Stage 7b: translation validation. Before a generated file is written, run it against its original.
+"""Stage 8: translation validation. Before a generated file is written, run it against its original.
 
 The analysis argues that each fusion is sound; this stage checks the result by executing it. The generated text is
 imported in memory, and its fused causal LM is compared with the original causal LM:

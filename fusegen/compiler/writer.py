@@ -1,4 +1,4 @@
-"""Stage 7 (end): put a generated file on disk atomically, or compare it with disk."""
+"""Stage 9: put a generated file on disk atomically, or compare it with disk."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ This module is imported when a fused model is first built, not when a generated 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -609,12 +609,14 @@ def fused_plan_from(
     original: Mapping[str, str] | None,
     stacked: Mapping[str, Sequence[tuple[str, Any]]],
     parents: Mapping[str, Sequence[str]] | None = None,
+    heads: Collection[str] | None = None,
 ) -> tuple[dict[str, str] | None, str | None]:
     """Derive a generated file's `TP_PLAN` from the original config's `base_model_tp_plan`: `(plan, None)` or
     `(None, why not)`. Used by the compiler; kept here next to the styles it names.
 
-    Each merged linear takes one `fusegen_merged_colwise` rule where all of its pieces had `colwise` ones (a q/k/v
-    merge also gets `fusegen_local_heads` on its owner); other rules are kept. Pieces with any other style (e.g.
+    Each merged linear takes one `fusegen_merged_colwise` rule where all of its pieces had `colwise` ones (a merge
+    of attention heads also gets `fusegen_local_heads` on its owner: the merged names in `heads`, which the
+    compiler takes from the fusion kinds; without it, a merge whose shard ids are q, k, v); other rules are kept. Pieces with any other style (e.g.
     `colwise_gather_output`) cannot be merged this way, and then no plan is derived.
     """
     if not original:
@@ -631,7 +633,8 @@ def fused_plan_from(
         styles = {original.get(f"{owner}.{name}" if owner else name) for name, _ in pieces}
         if styles != {"colwise"}:
             return None, f"{key} is {style!r}; fusegen merges only pieces that are all 'colwise'"
-        if [shard for _, shard in pieces] == ["q", "k", "v"] and owner:
+        head_sharded = merged in heads if heads is not None else [shard for _, shard in pieces] == ["q", "k", "v"]
+        if head_sharded and owner:
             plan.setdefault(owner, LOCAL_HEADS)
         plan.setdefault(f"{owner}.{merged}" if owner else merged, MERGED_COLWISE)
     return plan, None

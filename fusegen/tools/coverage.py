@@ -468,31 +468,13 @@ def collect(model_types: list[str], jobs: int, timeout: float, log=print) -> lis
 
 # --- analysis of the rows --------------------------------------------------------------------------------------------
 
-_SUFFIX = re.compile(r"(_proj|_lin|_linear|_layer)$")
-
-
-def _stems(names) -> set[str]:
-    """Projection names reduced to their role: `q_proj` -> `q`, `wq` -> `q`, `query` -> `query`."""
-    stems = set()
-    for name in names:
-        stem = _SUFFIX.sub("", name)
-        stems.add(stem[1:] if re.fullmatch(r"w[qkv]", stem) else stem)
-    return stems
-
-
-def _is_triplet(names) -> bool:
-    stems = _stems(names)
-    return {"q", "k", "v"} <= stems or {"query", "key", "value"} <= stems
-
-
-def _is_pair(names) -> bool:
-    stems = _stems(names)
-    return {"gate", "up"} <= stems or {"w1", "w3"} <= stems or {"wi_0", "wi_1"} <= stems
-
 
 def has_kind(row: Row, kind: str) -> bool:
-    """Whether the model has a q/k/v triplet (`qkv`) or a gate/up pair (`glu`), fused, refused or just present."""
-    test = _is_triplet if kind == "qkv" else _is_pair
+    """Whether the model has what fusion kind `kind` fuses (a q/k/v triplet for `qkv`), fused, refused or just present
+    (the kind says how to recognise it by name: `fusegen.fusions.base.Kind.present`)."""
+    from fusegen import fusions
+
+    test = fusions.kind(kind).present
     for outcome in row.report.get("classes", []):
         if any(plan["kind"] == kind for plan in outcome["fused"]):
             return True
@@ -511,8 +493,6 @@ def is_verified(row: Row) -> bool:
 
 def summary_counts(rows: list[Row]) -> list[tuple[str, int]]:
     fused = [r for r in rows if r.status == "fused"]
-    triplets = [r for r in rows if has_kind(r, "qkv")]
-    pairs = [r for r in rows if has_kind(r, "glu")]
     return [
         ("model types swept", len(rows)),
         ("fused and verified equivalent", sum(is_verified(r) for r in fused)),
@@ -520,11 +500,26 @@ def summary_counts(rows: list[Row]) -> list[tuple[str, int]]:
         ("nothing to fuse", sum(r.status == "nothing" for r in rows)),
         ("errors (input the compiler refuses, with a reason)", sum(r.status == "error" for r in rows)),
         ("crashes", sum(r.status == "crash" for r in rows)),
-        ("types with a q/k/v triplet", len(triplets)),
-        ("... of which q/k/v fused and verified", sum(fused_kind(r, "qkv") and is_verified(r) for r in triplets)),
-        ("types with a gate/up pair", len(pairs)),
-        ("... of which gate/up fused and verified", sum(fused_kind(r, "glu") and is_verified(r) for r in pairs)),
-    ]
+    ] + kind_counts(rows)
+
+
+def kind_counts(rows: list[Row]) -> list[tuple[str, int]]:
+    """Per fusion kind with a coverage label (`Kind.label`): the types that have what it fuses, and how many of
+    those have it fused and verified."""
+    from fusegen import fusions
+
+    counts = []
+    for kind in (k for k in fusions.kinds() if k.label):
+        pieces, group = kind.label
+        having = [r for r in rows if has_kind(r, kind.name)]
+        counts.append((f"types with {group}", len(having)))
+        counts.append(
+            (
+                f"... of which {pieces} fused and verified",
+                sum(fused_kind(r, kind.name) and is_verified(r) for r in having),
+            )
+        )
+    return counts
 
 
 # --- markdown --------------------------------------------------------------------------------------------------------

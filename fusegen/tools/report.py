@@ -1,4 +1,4 @@
-"""Stage 8: every candidate class's outcome, for people (text) and tools (JSON)."""
+"""`fusegen report`: each candidate class's outcome (stages 1-6a: `compiler.build.analyse`), for people and tools."""
 
 from __future__ import annotations
 

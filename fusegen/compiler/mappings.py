@@ -1,0 +1,49 @@
+"""Stage 6d: the module-level tables of a generated file: the checkpoint mapping, its classes and the TP plan."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fusegen import fusions
+from fusegen.compiler.plan import FusionPlan
+from fusegen.compiler.resolve import Target
+from fusegen.errors import InputError
+from fusegen.runtime.tp import fused_plan_from
+
+
+def stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
+    """`{merged: [(projection, shard id), ...]}`; one meaning per merged name."""
+    mapping: dict[str, list[tuple]] = {}
+    for plan in plans:
+        shards = [tuple(shard) for shard in plan.shards]
+        if mapping.setdefault(plan.merged, shards) != shards:
+            raise InputError(
+                f"two classes merge different projections into {plan.merged}: {mapping[plan.merged]} vs {shards}"
+            )
+    return mapping
+
+
+def checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str]) -> list[str]:
+    """Fused `PreTrainedModel` classes whose checkpoints need the stacked mapping.
+
+    The base model class is enough: Transformers scopes a nested model's
+    conversions to its prefix, and the causal LM nests it.
+    """
+    from transformers import PreTrainedModel
+
+    names = []
+    for module in model.modules():
+        name = type(module).__name__
+        if isinstance(module, PreTrainedModel) and module is not model and name in renames:
+            names.append(renames[name])
+    return sorted(set(names)) or [renames[target.causal_lm.__name__]]
+
+
+def tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict) -> dict:
+    """Template data for tensor parallelism: the fused form of the config's `base_model_tp_plan` (or why there is
+    none); see fusegen/runtime/tp.py. The kinds say which merged linears hold attention heads
+    (`Kind.head_sharded`)."""
+    original = getattr(model.config, "base_model_tp_plan", None)
+    heads = {plan.merged for plan in plans if fusions.kind(plan.kind).head_sharded}
+    plan, reason = fused_plan_from(original, stacked_mapping(plans), parents, heads=heads)
+    return {"tp_plan": repr(plan) if plan else None, "tp_reason": reason}

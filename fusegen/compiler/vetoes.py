@@ -1,0 +1,166 @@
+"""Stage 5c: fusions to refuse for reasons outside their class (checkpoint names, outside references).
+
+`find_vetoes` runs after every class was analysed; the classes it names are analysed again with those fusions
+refused (`fusegen.compiler.analyse.analyse_classes`), until no new veto appears.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from torch import nn
+
+from fusegen.compiler import astutil
+from fusegen.compiler.plan import ClassOutcome, Refused, Veto, Vetoes, merged_linears
+from fusegen.compiler.scopes import parents as source_parents
+
+
+def find_vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
+    """Fusions to refuse for reasons outside their class: `{class: {merged: Veto(rule, reason)}}`."""
+    vetoes = checkpoint_conflicts(model, outcomes)
+    for found in (
+        prefused_checkpoints(model, outcomes),
+        outside_references(model, outcomes),
+        merged_names_reused(outcomes),
+    ):
+        for class_name, reasons in found.items():
+            vetoes.setdefault(class_name, {}).update(reasons)
+    return vetoes
+
+
+def merged_names_reused(outcomes: list[ClassOutcome]) -> Vetoes:
+    """Fusions one of whose projections has the name another fusion gives its merged linear.
+
+    MiniMax's lightning attention already holds a packed `qkv_proj`, which its
+    full attention layers' q/k/v merge into: a checkpoint tensor `qkv_proj`
+    would then be a piece in one layer and a merged tensor in the other. The
+    fusion that consumes the name is refused; the one that produces it stays.
+    """
+    merged = {plan.merged: outcome.class_name for outcome in outcomes for plan in merged_linears(outcome.fused)}
+    vetoes: Vetoes = {}
+    for outcome in outcomes:
+        for plan in outcome.fused:
+            for name in plan.projections:
+                if name in merged:
+                    vetoes.setdefault(outcome.class_name, {}).setdefault(
+                        plan.merged,
+                        Veto(
+                            "ambiguous-checkpoint-names",
+                            f"{name} is also the merged name of {merged[name]}'s fusion, so a checkpoint tensor "
+                            f"{name} could be either a piece or a merged tensor",
+                        ),
+                    )
+    return vetoes
+
+
+def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
+    """Fusions whose projections other code reaches into (`module.q_proj` in `_init_weights`).
+
+    The projection no longer exists after fusion, so such code would fail or
+    silently skip it. Any `<expr>.<projection>` outside `self.` in the model's
+    classes counts: a false alarm costs a fusion, a miss breaks loading.
+    """
+    names = {plan.merged: (o.class_name, plan.projections) for o in outcomes for plan in merged_linears(o.fused)}
+    if not names:
+        return {}
+    vetoes: Vetoes = {}
+    classes = {
+        cls
+        for module in model.modules()
+        for cls in type(module).__mro__
+        if cls.__module__.startswith(("transformers.models.", type(model).__module__))
+    }
+    for cls in sorted(classes, key=lambda c: (c.__module__, c.__name__)):
+        try:
+            classdef = astutil.parse_class(cls)
+        except Refused:
+            continue
+        for node in ast.walk(classdef):
+            if not isinstance(node, ast.Attribute) or astutil.self_attr(node):
+                continue
+            for merged, (class_name, projections) in names.items():
+                if node.attr in projections:
+                    vetoes.setdefault(class_name, {}).setdefault(
+                        merged,
+                        Veto(
+                            "outside-reference",
+                            f"{cls.__name__} reads `{ast.unparse(node)}` (line {node.lineno}), which fusion removes",
+                        ),
+                    )
+    return vetoes
+
+
+def prefused_checkpoints(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
+    """Fusions whose projections the model's checkpoints already store merged.
+
+    Transformers splits such a tensor on load (`query_key_value` -> q/k/v) with
+    a conversion of its own, and applies at most one conversion per tensor, so
+    ours would never see the pieces: refused, with the checkpoint's name.
+    """
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    keys = [model.config.model_type] + [type(m).__name__ for m in model.modules() if isinstance(m, PreTrainedModel)]
+    splits = [
+        (converter.source_patterns, converter.target_patterns)
+        for key in dict.fromkeys(keys)
+        for converter in get_checkpoint_conversion_mapping(key) or []
+        if len(getattr(converter, "target_patterns", [])) > 1
+    ]
+    vetoes: Vetoes = {}
+    for outcome in outcomes:
+        for plan in outcome.fused:
+            for sources, targets in splits:
+                pieces = {
+                    target.removesuffix(".weight").removesuffix(".bias").rpartition(".")[2] for target in targets
+                }
+                if pieces & set(plan.projections):
+                    vetoes.setdefault(outcome.class_name, {}).setdefault(
+                        plan.merged,
+                        Veto(
+                            "checkpoint-already-fused",
+                            f"checkpoints store {', '.join(sources)} already merged (Transformers splits it into "
+                            f"{', '.join(sorted(pieces))} on load)",
+                        ),
+                    )
+    return vetoes
+
+
+def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
+    """Fusions whose checkpoint names an unfused module shares: `{class: {merged: Veto(rule, reason)}}`.
+
+    A hybrid model may keep, at the same path (`layers.N.self_attn.q_proj`), a
+    fused attention in some layers and an unfused one in others; the
+    checkpoint cannot say which tensors to merge, so such a fusion is refused.
+
+    With the parents read off the source (`fusegen.compiler.scopes.parents`), the scopes are every
+    attribute a holder is built under, so this sees at least the paths it saw
+    before. What it guards is no longer a silent wrong load: `from_pretrained`
+    falls back to a tensor's own name when the merged name is absent at that
+    path, `load_checkpoint` maps by the live model's merged modules, and what
+    still goes unfilled raises (`fusegen.runtime.check_loading`). It guards the
+    TP plan, whose rules are path patterns (`layers.*.self_attn.q_proj`) that
+    cannot tell a fused layer from an unfused one at the same path. It checks
+    the instantiated model only: an unfused module at such a path in another
+    config still loads exactly, but under tensor parallelism its pieces would
+    match no rule (left replicated); that gap is not closed here.
+    """
+    parents = source_parents(model, outcomes)
+    fused_classes = {o.class_name: o for o in outcomes if o.fused}
+    conflicts: Vetoes = {}
+    for path, module in model.named_modules():
+        if type(module).__name__ in fused_classes:
+            continue
+        for outcome in fused_classes.values():
+            for plan in outcome.fused:
+                scoped = plan.merged not in parents or path.rpartition(".")[2] in parents[plan.merged]
+                if scoped and any(isinstance(getattr(module, name, None), nn.Module) for name in plan.projections):
+                    conflicts.setdefault(outcome.class_name, {}).setdefault(
+                        plan.merged,
+                        Veto(
+                            "ambiguous-checkpoint-names",
+                            f"{path} ({type(module).__name__}) keeps unfused projections under the same checkpoint "
+                            "names, so loading could not tell which tensors to merge",
+                        ),
+                    )
+    return conflicts

@@ -1,0 +1,215 @@
+"""The fusion-kind registry (`fusegen.fusions`): the kinds it finds, what the stages ask them, and a kind that
+merges no linears plugged in from outside without touching the compiler."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fusegen import fusions
+from fusegen.compiler import astutil
+from fusegen.compiler.build import analyse, build
+from fusegen.compiler.plan import FusionPlan, Refused
+from fusegen.fusions.base import Kind
+from fusegen.runtime.tp import LOCAL_HEADS, MERGED_COLWISE, fused_plan_from
+from fusegen.tools import coverage
+from tests.conftest import TOLERANCE
+
+TOY = """
+import torch
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+
+class ToyConfig(PretrainedConfig):
+    model_type = "toy_scaled"
+
+    def __init__(self, vocab_size=32, hidden_size=16, num_hidden_layers=2, **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+
+class ToyScale(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(config.hidden_size))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size // 2, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size // 2, bias=False)
+        self.scale = ToyScale(config)
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        return self.scale(q + torch.cat([k, v], dim=-1))
+
+
+class ToyPreTrainedModel(PreTrainedModel):
+    config_class = ToyConfig
+    base_model_prefix = "model"
+
+
+class ToyModel(ToyPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([ToyBlock(config) for _ in range(config.num_hidden_layers)])
+        self.post_init()
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = hidden + layer(hidden)
+        return hidden
+
+
+class ToyForCausalLM(ToyPreTrainedModel, GenerationMixin):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = ToyModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids, **kwargs):
+        return CausalLMOutput(logits=self.lm_head(self.model(input_ids)))
+"""
+
+
+class SwappedProduct(Kind):
+    """A toy kind that merges no linears: `ToyScale.forward`'s `x * self.weight` becomes `self.weight * x`."""
+
+    name = "swapped_product"
+    priority = 95
+
+    def candidate(self, module):
+        return type(module).__name__ == "ToyScale"
+
+    def match(self, trace, module):
+        return [FusionPlan(self.name, "forward")] if self.candidate(module) else []
+
+    def rewrite(self, classdef, plan, module, namespace, fused):
+        (ret,) = [node for node in ast.walk(astutil.method(classdef, "forward")) if isinstance(node, ast.Return)]
+        if not isinstance(ret.value, ast.BinOp):
+            raise Refused("not-a-product", "forward returns no product", ret)
+        ret.value.left, ret.value.right = ret.value.right, ret.value.left
+
+
+@pytest.fixture
+def toy_kind(tmp_path, monkeypatch):
+    """The toy model importable as `toy_scaled_pkg.modeling`, and the toy kind registered while the test runs."""
+    package = tmp_path / "toy_scaled_pkg"
+    package.mkdir()
+    (package / "__init__.py").touch()
+    (package / "modeling.py").write_text(textwrap.dedent(TOY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fusions.register(SwappedProduct)
+    yield "toy_scaled_pkg.modeling"
+    del fusions._REGISTRY[SwappedProduct.name]
+    for name in [m for m in sys.modules if m.startswith("toy_scaled_pkg")]:
+        del sys.modules[name]
+
+
+def test_the_registry_finds_one_kind_per_module_in_priority_order():
+    assert [(kind.name, type(kind).__module__) for kind in fusions.kinds()] == [
+        ("qkv", "fusegen.fusions.qkv"),
+        ("glu", "fusegen.fusions.glu"),
+        ("merged_column", "fusegen.fusions.siblings"),
+    ]
+    assert [kind.name for kind in fusions.kinds() if kind.head_sharded] == ["qkv"]
+
+
+def test_two_kinds_cannot_share_a_name():
+    class Impostor(Kind):
+        name = "qkv"
+
+    with pytest.raises(ValueError, match="two fusion kinds are named 'qkv'"):
+        fusions.register(Impostor)
+    assert type(fusions.kind("qkv")).__name__ == "QKV"
+
+
+def test_a_kind_that_merges_no_linears_plugs_in_without_touching_the_compiler(toy_kind):
+    outcomes = {o.class_name: o for o in analyse(toy_kind).outcomes}
+    # ToyScale has no linear child at all: it is analysed because its kind asked for it (`Kind.candidate`).
+    assert [plan.describe() for plan in outcomes["ToyScale"].fused] == ["forward (swapped_product)"]
+    assert [plan.describe() for plan in outcomes["ToyBlock"].fused] == ["q_proj + k_proj + v_proj -> qkv_proj (qkv)"]
+    text = build(toy_kind, validate=False).text
+    assert "return self.weight * x" in text and "class FusedToyScale(nn.Module):" in text
+    assert "self.scale = FusedToyScale(config)" in text
+    fused_path = sys.modules[toy_kind].__file__.replace("modeling.py", "fused.py")
+    with open(fused_path, "w") as handle:
+        handle.write(text)
+    original_module = importlib.import_module(toy_kind)
+    fused_module = importlib.import_module("toy_scaled_pkg.fused")
+    # Only the linear merge has a checkpoint mapping, and the TP plan and scopes know nothing of the other kind.
+    assert fused_module.STACKED_PARAMS_MAPPING == {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
+    assert fused_module.packed_modules_mapping == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    # (ToyBlock sits in a ModuleList, so qkv_proj gets no scope; ToyScale, built as `self.scale`, would give one.)
+    assert "STACKED_PARAMS_MAPPING, parents={})" in text
+    torch.manual_seed(0)
+    original = original_module.ToyForCausalLM(original_module.ToyConfig()).eval()
+    with torch.no_grad():
+        for parameter in original.parameters():
+            parameter.normal_(std=0.05)
+    fused = fused_module.FusedToyForCausalLM(original_module.ToyConfig()).eval()
+    state = original.state_dict()
+    for prefix in {key.rpartition(".q_proj.")[0] for key in state if ".q_proj." in key}:
+        pieces = [state.pop(f"{prefix}.{name}.weight") for name in ("q_proj", "k_proj", "v_proj")]
+        state[f"{prefix}.qkv_proj.weight"] = torch.cat(pieces)
+    fused.load_state_dict(state)
+    input_ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, actual = original(input_ids).logits, fused(input_ids).logits
+    assert torch.allclose(expected, actual, atol=TOLERANCE, rtol=0), (expected - actual).abs().max()
+
+
+def test_a_refusing_kind_leaves_its_class_unfused_with_the_rule(toy_kind, monkeypatch):
+    def refuse(self, classdef, plan, module, namespace, fused):
+        raise Refused("toy-rule", "the toy kind declines")
+
+    monkeypatch.setattr(SwappedProduct, "rewrite", refuse)
+    (scale,) = [o for o in analyse(toy_kind).outcomes if o.class_name == "ToyScale"]
+    assert scale.fused == []
+    assert [(r.projections, r.rule, r.reason) for r in scale.refused] == [
+        (("forward",), "toy-rule", "the toy kind declines")
+    ]
+
+
+def test_the_tp_plan_shards_by_heads_what_the_kinds_say_holds_heads():
+    original = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                "layers.*.self_attn.v_proj": "colwise"}  # fmt: skip
+    stacked = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
+    heads, _ = fused_plan_from(original, stacked, heads={"qkv_proj"})
+    assert heads == {"layers.*.self_attn": LOCAL_HEADS, "layers.*.self_attn.qkv_proj": MERGED_COLWISE}
+    rows, _ = fused_plan_from(original, stacked, heads=set())
+    assert rows == {"layers.*.self_attn.qkv_proj": MERGED_COLWISE}
+
+
+def test_coverage_asks_the_kinds_what_to_count():
+    # glu fused; a refused wq/wk/wv triplet, which only the qkv kind's `present` recognises by name.
+    report = {"classes": [{"fused": [{"kind": "glu"}], "refused": [{"projections": ["wq", "wk", "wv"]}]}]}
+    row = coverage.Row("toy", "fused", report, "", coverage.Inspection(), None)
+    assert coverage.has_kind(row, "qkv") and coverage.has_kind(row, "glu")
+    assert coverage.kind_counts([row]) == [
+        ("types with a q/k/v triplet", 1),
+        ("... of which q/k/v fused and verified", 0),
+        ("types with a gate/up pair", 1),
+        ("... of which gate/up fused and verified", 0),
+    ]
