@@ -2,6 +2,7 @@
 rewrite is bit-identical where it is emitted."""
 
 import ast
+import dataclasses
 
 import pytest
 import torch
@@ -194,7 +195,7 @@ def test_a_rewrite_reading_the_wrong_eps_is_caught_by_execution():
     instance = _meta(TwoNumbers, 16)
     plan = rmsnorm.derive(TwoNumbers, instance)
     assert plan.eps == "variance_epsilon"
-    wrong = rmsnorm.NormPlan(plan.class_name, plan.input_name, "other_epsilon", plan.term, plan.style)
+    wrong = dataclasses.replace(plan, eps="other_epsilon")
     forward = _forward(rmsnorm.rewritten_class(TwoNumbers, plan))
     ast_text = ast.unparse(forward).replace("eps=self.variance_epsilon", "eps=self.other_epsilon")
     bad = rmsnorm.compile_forward(TwoNumbers, ast.parse(ast_text).body[0])

@@ -38,13 +38,16 @@ import copy
 import inspect
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from fusegen import fusions
 from fusegen.compiler import astutil
-from fusegen.compiler.plan import Refused
+from fusegen.compiler.plan import FusionPlan, Refused
+from fusegen.compiler.trace import Trace
+from fusegen.fusions.base import Kind
 
 KIND = "rmsnorm"
 KERNEL = "torch.nn.functional.rms_norm"
@@ -60,7 +63,7 @@ RULES = {
     "norm-attribute": "an attribute read that is not a parameter, buffer or number set on the instance",
     "norm-not-rms": "the computation is not the float32 RMS normalisation the kernel computes",
     "norm-inexact": "the rewritten forward differs from the original when executed",
-    "norm-subclassed": "another class of the model subclasses the norm and would inherit the rewrite",
+    "norm-subclassed": "another class of its module subclasses the norm and would inherit the rewrite",
 }
 """Rule ids of this kind's refusals (what `fusegen report` prints), with what each one means."""
 
@@ -277,22 +280,31 @@ def _is_constant(node, value) -> bool:
 
 
 @dataclass(frozen=True)
-class NormPlan:
-    """An RMS norm class whose forward becomes one kernel call."""
+class NormPlan(FusionPlan):
+    """An RMS norm class whose forward becomes one kernel call (`merged` is "forward", what the rewrite replaces).
 
-    class_name: str
-    input_name: str
+    A plan with a `refusal` stands for a norm class the derivation refused: `RMSNormKind.check` raises it, so the
+    report lists the class with its rule instead of leaving it out.
+    """
+
+    class_name: str = ""
+    input_name: str = ""
     """The forward's tensor parameter (`hidden_states`)."""
-    eps: str
+    eps: str = ""
     """The attribute eps is read from (`variance_epsilon`)."""
-    term: Term
+    term: Term | None = field(default=None, compare=False)
     """The original forward as a term (see `derive`)."""
-    style: str
+    style: str = ""
     """`cast-then-weight` (Llama), `weight-then-cast` (OLMo 2, Gemma), `no-cast`: where N is cast back, if at all."""
-    kind: str = KIND
+    refusal: tuple[str, str, int | None] | None = None
+    """(rule, reason, line) of the derivation's refusal, if it refused."""
 
     def describe(self) -> str:
         return f"forward -> {KERNEL} ({self.kind}, {self.style}, eps=self.{self.eps})"
+
+
+def _plan(class_name: str, input_name: str, eps: str, term: Term, style: str) -> NormPlan:
+    return NormPlan(KIND, "forward", (), class_name, input_name, eps, term, style)
 
 
 def derive(cls: type, instance: nn.Module, namespace: dict | None = None) -> NormPlan:
@@ -327,7 +339,7 @@ def derive(cls: type, instance: nn.Module, namespace: dict | None = None) -> Nor
         style = "weight-then-cast"
     else:
         style = "no-cast"
-    return NormPlan(cls.__name__, input_name, eps, term, style)
+    return _plan(cls.__name__, input_name, eps, term, style)
 
 
 def _eps_of(term: Term) -> str | None:
@@ -552,34 +564,63 @@ def _diff(expected: torch.Tensor, actual: torch.Tensor) -> str:
 # --- the kind in the pipeline ----------------------------------------------------------------------------------------
 
 
-def norm_candidates(model: nn.Module) -> dict[type, nn.Module]:
-    """One instance of each leaf module class (no children) of `model` defined outside torch, in first-seen order.
+@fusions.register
+class RMSNormKind(Kind):
+    """The `rmsnorm` kind: asked after the linear kinds; its classes are leaf modules, so it never meets them."""
 
-    The rewrite needs the class's own source, so torch's modules (`nn.LayerNorm`, `nn.RMSNorm`) are not candidates.
-    """
-    found: dict[type, nn.Module] = {}
-    for module in model.modules():
+    name = KIND
+    priority = 90
+
+    def candidate(self, module: nn.Module) -> bool:
+        """Leaf modules (no children) of a class defined outside torch, holding a parameter or named as a norm.
+
+        torch's own modules (`nn.LayerNorm`, `nn.RMSNorm`) have no source to rewrite; a rotary embedding (buffers
+        only) is not worth a trace. A weightless norm not named as one is missed: that costs a fusion, not numbers.
+        """
         cls = type(module)
-        if cls not in found and not cls.__module__.startswith("torch.") and not list(module.children()):
-            found[cls] = module
+        if cls.__module__.startswith("torch.") or next(module.children(), None) is not None:
+            return False
+        return next(module.parameters(recurse=False), None) is not None or reported(cls)
+
+    def match(self, trace: Trace, module: nn.Module) -> list[FusionPlan]:
+        """The derived plan; for a class named as a norm that the derivation refuses, a plan carrying the refusal
+        (`check` raises it, so the report names the class and the rule); nothing for any other leaf class."""
+        cls = type(module)
+        try:
+            return [derive(cls, module)]
+        except Refused as refusal:
+            if not reported(cls):
+                return []
+            return [NormPlan(KIND, "forward", (), cls.__name__, refusal=(refusal.rule, refusal.reason, refusal.line))]
+
+    def check(self, module: nn.Module, plan: FusionPlan) -> None:
+        """The derivation's refusal, if any; then `norm-subclassed`; then validation by execution (`check_exact`)."""
+        if plan.refusal is not None:
+            rule, reason, line = plan.refusal
+            error = Refused(rule, reason)
+            error.line = line
+            raise error
+        cls = type(module)
+        heirs = sorted(c.__name__ for c in _subclasses(cls) if c.__module__ == cls.__module__)
+        if heirs:
+            raise Refused("norm-subclassed", f"{', '.join(heirs)} subclass {cls.__name__} and would inherit the rewrite")
+        check_exact(cls, module, plan)
+
+    def rewrite(
+        self, classdef: ast.ClassDef, plan: FusionPlan, module: nn.Module, namespace: dict, fused: list[FusionPlan]
+    ) -> None:
+        rewrite_forward(astutil.method(classdef, "forward"), plan)
+
+
+def _subclasses(cls: type) -> list[type]:
+    """Every class that inherits from `cls`, directly or not, among the classes loaded so far."""
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_subclasses(sub)]
     return found
 
 
 def reported(cls: type) -> bool:
-    """Whether a refusal of `cls` is worth a report line: only classes named as norms (a rotary embedding is a leaf
-    module too, and is not a norm the kind failed to fuse)."""
+    """Whether a refusal of `cls` is worth a report line: only classes named as norms (a scaled embedding is a leaf
+    module with a parameter too, and is not a norm the kind failed to fuse)."""
     return "norm" in cls.__name__.lower()
-
-
-def analyse_norm(cls: type, instance: nn.Module, model: nn.Module) -> tuple[NormPlan, ast.ClassDef]:
-    """The plan and the rewritten class statement for norm class `cls`, or `Refused` with the rule.
-
-    Besides `derive` and `check_exact`: a class of the model that subclasses `cls` is refused (`norm-subclassed`), since
-    it would inherit the rewritten forward while its own `__init__`, never checked, may set the state differently.
-    """
-    heirs = sorted({type(m).__name__ for m in model.modules() if issubclass(type(m), cls) and type(m) is not cls})
-    if heirs:
-        raise Refused("norm-subclassed", f"{', '.join(heirs)} subclass {cls.__name__} and would inherit the rewrite")
-    plan = derive(cls, instance)
-    check_exact(cls, instance, plan)
-    return plan, rewritten_class(cls, plan)
