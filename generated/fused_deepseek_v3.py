@@ -4,6 +4,7 @@
 # fusegen-source-sha256: 0d3b525a22455e77f9aa582e9cbbb2ed8be283401d22d4fa755e0738e2438106
 #
 # Fused:
+#   FusedDeepseekV3RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
 #   FusedDeepseekV3MLP: gate_proj + up_proj -> gate_up_proj (glu)
 # Not fused:
 #   DeepseekV3Attention: q_a_proj + kv_a_proj_with_mqa: unusual-init: self.q_a_proj is not assigned a constructor call (line 375)
@@ -30,14 +31,15 @@ import transformers.initialization as init
 from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     ACT2FN,
+    ALL_ATTENTION_FUNCTIONS,
     Cache,
-    DeepseekV3Attention,
+    Callable,
     DeepseekV3Config,
     DeepseekV3Experts,
-    DeepseekV3RMSNorm,
     DeepseekV3RotaryEmbedding,
     DeepseekV3TopkRouter,
     DynamicCache,
+    FlashAttentionKwargs,
     GenerationMixin,
     GradientCheckpointingLayer,
     MoeCausalLMOutputWithPast,
@@ -46,13 +48,18 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     PreTrainedModel,
     TransformersKwargs,
     Unpack,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_interleave,
     auto_docstring,
     can_return_tuple,
     capture_outputs,
     create_causal_mask,
     deprecate_kwarg,
+    eager_attention_forward,
     merge_with_config_defaults,
     slice_logits_to_keep,
+    use_kernel_forward_from_hub,
+    yarn_apply_mscale,
 )
 
 from fusegen.runtime import (
@@ -76,6 +83,32 @@ TP_PLAN = {
     "layers.*.mlp.gate_up_proj": "fusegen_merged_colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
+
+
+@use_kernel_forward_from_hub("RMSNorm")
+class FusedDeepseekV3RMSNorm(nn.Module):
+
+    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+        """
+        DeepseekV3RMSNorm is equivalent to T5LayerNorm
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return self.weight * torch.nn.functional.rms_norm(
+                hidden_states, hidden_states.shape[-1:], eps=self.variance_epsilon
+            )
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class FusedDeepseekV3MLP(nn.Module):
@@ -122,18 +155,127 @@ class FusedDeepseekV3MoE(nn.Module):
         return hidden_states
 
 
+class FusedDeepseekV3Attention(nn.Module):
+    """Multi-headed Latent Attention (MLA) from Deepseek V2, with support for rope interleave."""
+
+    def __init__(self, config: DeepseekV3Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.attention_dropout = config.attention_dropout
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.v_head_dim = config.v_head_dim
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.is_causal = True
+        self.q_proj = (
+            None
+            if self.q_lora_rank is not None
+            else nn.Linear(self.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
+        )
+        self.q_a_proj = (
+            nn.Linear(self.hidden_size, self.q_lora_rank, bias=config.attention_bias)
+            if self.q_lora_rank is not None
+            else None
+        )
+        self.q_a_layernorm = FusedDeepseekV3RMSNorm(self.q_lora_rank) if self.q_lora_rank is not None else None
+        self.q_b_proj = (
+            nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+            if self.q_lora_rank is not None
+            else None
+        )
+        self.kv_a_proj_with_mqa = nn.Linear(
+            self.hidden_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=config.attention_bias
+        )
+        self.kv_a_layernorm = FusedDeepseekV3RMSNorm(config.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=config.attention_bias)
+        self.scaling = yarn_apply_mscale(config.rope_parameters, self.qk_head_dim ** (-0.5))
+
+    def expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expands the compressed latents into key and value states. Args:
+            - kv_nope: key + value without positional encoding, shape [batch_size, 1, seqlen, self.kv_lora_rank]
+            - k_rot: shared key with positional encoding, shape [batch_size, 1, seqlen, self.qk_rope_head_dim]
+        Returns the key and value states, two tensors of shape [batch, num_heads, seq, (k or v)_head_dim].
+        """
+        batch_size, _, seq_length, _ = kv_nope.shape
+        key_shape = (batch_size, seq_length, -1, self.qk_nope_head_dim + self.v_head_dim)
+        kv_nope = self.kv_b_proj(kv_nope).view(key_shape).transpose(1, 2)
+        k_nope, value_states = torch.split(kv_nope, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_rot = k_rot.expand(-1, k_nope.shape[1], -1, -1)
+        key_states = kv_nope.new_empty(*kv_nope.shape[:-1], self.qk_nope_head_dim + self.qk_rope_head_dim)
+        key_states[..., : self.qk_nope_head_dim].copy_(k_nope)
+        key_states[..., self.qk_nope_head_dim :].copy_(k_rot)
+        return (key_states, value_states)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[FlashAttentionKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
+        batch_size, seq_length = hidden_states.shape[:-1]
+        query_shape = (batch_size, seq_length, -1, self.qk_head_dim)
+        if self.q_lora_rank is None:
+            q_states = self.q_proj(hidden_states)
+        else:
+            q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_states = q_states.view(query_shape).transpose(1, 2)
+        q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+        kv_nope, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope)
+        kv_nope = kv_nope.view(batch_size, 1, seq_length, self.kv_lora_rank)
+        k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
+        cos, sin = position_embeddings
+        if self.config.rope_interleave:
+            q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+        else:
+            q_rot, k_rot = apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+        if cache is not None:
+            kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
+        query_states = torch.cat((q_pass, q_rot), dim=-1)
+        key_states, value_states = self.expand_kv(kv_nope, k_rot)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return (attn_output, attn_weights)
+
+
 class FusedDeepseekV3DecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: DeepseekV3Config, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
-        self.self_attn = DeepseekV3Attention(config=config, layer_idx=layer_idx)
+        self.self_attn = FusedDeepseekV3Attention(config=config, layer_idx=layer_idx)
         if layer_idx >= config.first_k_dense_replace:
             self.mlp = FusedDeepseekV3MoE(config)
         else:
             self.mlp = FusedDeepseekV3MLP(config)
-        self.input_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = FusedDeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedDeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -178,7 +320,7 @@ class FusedDeepseekV3PreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {
         "hidden_states": FusedDeepseekV3DecoderLayer,
-        "attentions": DeepseekV3Attention,
+        "attentions": FusedDeepseekV3Attention,
         "router_logits": OutputRecorder(DeepseekV3TopkRouter, index=0),
     }
     _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight"]
@@ -244,7 +386,7 @@ class FusedDeepseekV3Model(FusedDeepseekV3PreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedDeepseekV3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedDeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DeepseekV3RotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -386,10 +528,12 @@ register_stacked_checkpoint(
 register_fused_causal_lm(FusedDeepseekV3ForCausalLM)
 
 __all__ = [
+    "FusedDeepseekV3Attention",
     "FusedDeepseekV3DecoderLayer",
     "FusedDeepseekV3ForCausalLM",
     "FusedDeepseekV3MLP",
     "FusedDeepseekV3MoE",
     "FusedDeepseekV3Model",
     "FusedDeepseekV3PreTrainedModel",
+    "FusedDeepseekV3RMSNorm",
 ]
