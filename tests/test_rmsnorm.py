@@ -266,3 +266,87 @@ def test_llama_keeps_its_original_statements_for_other_dtypes():
     fast = rmsnorm.compile_forward(LlamaRMSNorm, forward)
     assert torch.equal(fast(norm, x), norm(x))
     assert not torch.equal(norm.weight * F.rms_norm(x, (8,), eps=norm.variance_epsilon), norm(x))
+
+
+# --- in the generated files ----------------------------------------------------------------------------------------
+
+GENERATED = {
+    "llama": ("generated.fused_llama", "LlamaConfig", "LlamaForCausalLM", "LlamaRMSNorm", {}),
+    "qwen3": ("generated.fused_qwen3", "Qwen3Config", "Qwen3ForCausalLM", "Qwen3RMSNorm", {"head_dim": 16}),
+    "gemma3_text": (
+        "generated.fused_gemma3_text",
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        "Gemma3RMSNorm",
+        {"head_dim": 16, "sliding_window": 4},
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("model_type", list(GENERATED))
+def test_generated_fused_norms_change_no_bit_of_the_model(model_type, dtype):
+    """The checked-in file's fused norms, swapped back for the original norm's forward in the same model with the
+    same weights, give the same logits and the same gradients, bit for bit (per-head q/k norms included)."""
+    import importlib
+    import types
+
+    import transformers
+
+    from tests.conftest import random_model, tiny_config
+    from fusegen.compiler.validate import map_state
+
+    module_name, config_name, causal_lm, norm_name, overrides = GENERATED[model_type]
+    fused_module = importlib.import_module(module_name)
+    config = tiny_config(getattr(transformers, config_name), num_key_value_heads=2, **overrides)
+    original = random_model(getattr(transformers, causal_lm), config)
+    fused = getattr(fused_module, f"Fused{causal_lm}")(config)
+    fused.load_state_dict(map_state(original, fused, fused_module.STACKED_PARAMS_MAPPING))
+    fused = fused.to(dtype)
+    original_norm = getattr(importlib.import_module(type(original).__module__), norm_name)
+    norms = [m for m in fused.modules() if type(m).__name__ == f"Fused{norm_name}"]
+    assert len(norms) >= 2 * config.num_hidden_layers + 1
+    assert all(type(m).forward is not original_norm.forward for m in norms)
+    input_ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def logits_and_grads(swapped: bool):
+        for norm in norms:
+            if swapped:
+                norm.forward = types.MethodType(original_norm.forward, norm)
+            else:
+                norm.__dict__.pop("forward", None)
+        fused.zero_grad()
+        logits = fused.train()(input_ids, use_cache=False).logits
+        logits.float().square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in fused.named_parameters() if p.grad is not None}
+
+    torch.manual_seed(0)
+    logits, grads = logits_and_grads(swapped=False)
+    torch.manual_seed(0)
+    expected_logits, expected_grads = logits_and_grads(swapped=True)
+    assert torch.equal(logits, expected_logits)
+    assert grads.keys() == expected_grads.keys() and len(grads) > 0
+    assert all(torch.equal(grads[name], expected_grads[name]) for name in grads)
+
+
+def test_generated_llama_equals_the_original_bitwise_in_float32():
+    """Whole file against Transformers' LlamaForCausalLM, same weights, fp32: not one bit of the logits differs.
+
+    The norm rewrite is exact by construction (the test above isolates it); the merged GEMMs are bit-identical to
+    their pieces on this CPU at these sizes (bench/gemm.py checks the same), though the project's tolerance allows
+    them not to be elsewhere: if this fails on another machine with the test above passing, the GEMMs differ.
+    """
+    import transformers
+
+    from generated.fused_llama import STACKED_PARAMS_MAPPING, FusedLlamaForCausalLM
+    from tests.conftest import random_model, tiny_config
+    from fusegen.compiler.validate import map_state
+
+    config = tiny_config(transformers.LlamaConfig, num_key_value_heads=2)
+    original = random_model(transformers.LlamaForCausalLM, config)
+    fused = FusedLlamaForCausalLM(config)
+    fused.load_state_dict(map_state(original, fused, STACKED_PARAMS_MAPPING))
+    assert any(type(m).__name__ == "FusedLlamaRMSNorm" for m in fused.modules())
+    input_ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(original(input_ids).logits, fused.eval()(input_ids).logits)
