@@ -122,7 +122,9 @@ class _Reader:
     def function(self, function: ast.FunctionDef, arguments: list[Term], depth: int = 0) -> Term:
         params = function.args
         if params.vararg or params.kwarg or params.kwonlyargs or params.posonlyargs or params.defaults:
-            raise Refused("norm-signature", f"{function.name} takes other arguments than self and one tensor", function)
+            raise Refused(
+                "norm-signature", f"{function.name} takes other arguments than self and one tensor", function
+            )
         names = [a.arg for a in params.args]
         if len(names) != len(arguments) + 1:
             raise Refused("norm-signature", f"{function.name} takes {len(names) - 1} arguments, not 1", function)
@@ -137,7 +139,9 @@ class _Reader:
                 raise Refused("norm-statement", f"{function.name}: `{ast.unparse(stmt)}`", stmt)
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
             if len(targets) != 1 or not isinstance(targets[0], ast.Name):
-                raise Refused("norm-statement", f"{function.name}: `{ast.unparse(stmt)}` assigns other than a local", stmt)
+                raise Refused(
+                    "norm-statement", f"{function.name}: `{ast.unparse(stmt)}` assigns other than a local", stmt
+                )
             env[targets[0].id] = self.expr(stmt.value, env, depth)
         if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
             raise Refused("norm-statement", f"{function.name} does not end in `return <expression>`", function)
@@ -187,7 +191,9 @@ class _Reader:
         value = instance.__dict__.get(name)
         if type(value) in (int, float):
             return _term("attr", name, node=node)
-        raise Refused("norm-attribute", f"self.{name} is not a parameter, buffer or number ({type(value).__name__})", node)
+        raise Refused(
+            "norm-attribute", f"self.{name} is not a parameter, buffer or number ({type(value).__name__})", node
+        )
 
     def call(self, node: ast.Call, env: dict, depth: int) -> Term:
         func = node.func
@@ -211,7 +217,9 @@ class _Reader:
         owner = next(c for c in type(self.instance).__mro__ if func.attr in vars(c))
         definition = astutil.method(astutil.parse_class(owner), func.attr)
         if definition is None or owner.__module__ != self.cls.__module__:
-            raise Refused("norm-expression", f"`{ast.unparse(node)}`: the source of self.{func.attr} is elsewhere", node)
+            raise Refused(
+                "norm-expression", f"`{ast.unparse(node)}`: the source of self.{func.attr} is elsewhere", node
+            )
         return self.function(definition, [self.expr(a, env, depth) for a in node.args], depth + 1)
 
     def is_torch(self, node: ast.expr) -> bool:
@@ -230,7 +238,9 @@ class _Reader:
             return _term("rsqrt", self.expr(node.args[0], env, depth), node=node)
         if name == "pow" and len(node.args) == 2 and not node.keywords:
             base = self.expr(node.args[0], env, depth)
-            return self.tensor_method(ast.Call(ast.Attribute(node.args[0], "pow"), node.args[1:], []), base, env, depth)
+            return self.tensor_method(
+                ast.Call(ast.Attribute(node.args[0], "pow"), node.args[1:], []), base, env, depth
+            )
         if name == "mean" and node.args:
             base = self.expr(node.args[0], env, depth)
             return self.tensor_method(
@@ -251,9 +261,8 @@ class _Reader:
             return _term("f32", receiver, node=node)
         if name == "type_as" and len(args) == 1 and not keywords and self.expr(args[0], env, depth).op == "x":
             return _term("cast_x", receiver, node=node)
-        if name == "pow" and len(args) == 1 and not keywords:
-            if isinstance(args[0], ast.Constant) and type(args[0].value) is int and args[0].value == 2:
-                return _term("sq", receiver, node=node)
+        if name == "pow" and len(args) == 1 and not keywords and _is_constant(args[0], 2):
+            return _term("sq", receiver, node=node)
         if name == "rsqrt" and not args and not keywords:
             return _term("rsqrt", receiver, node=node)
         if name == "mean" and _last_dim_keepdim(args, keywords):
@@ -329,7 +338,9 @@ def derive(cls: type, instance: nn.Module, namespace: dict | None = None) -> Nor
     input_name = forward.args.args[1].arg
     eps = _eps_of(term)
     if eps is None:
-        raise Refused("norm-not-rms", f"{cls.__name__}.forward computes no `x * rsqrt(mean(x ** 2) + self.eps)` in float32")
+        raise Refused(
+            "norm-not-rms", f"{cls.__name__}.forward computes no `x * rsqrt(mean(x ** 2) + self.eps)` in float32"
+        )
     n = normalised(eps)
     if _uses_input_outside(term, n):
         raise Refused("norm-not-rms", f"{cls.__name__}.forward uses its input outside the RMS normalisation")
@@ -603,7 +614,9 @@ class RMSNormKind(Kind):
         cls = type(module)
         heirs = sorted(c.__name__ for c in _subclasses(cls) if c.__module__ == cls.__module__)
         if heirs:
-            raise Refused("norm-subclassed", f"{', '.join(heirs)} subclass {cls.__name__} and would inherit the rewrite")
+            raise Refused(
+                "norm-subclassed", f"{', '.join(heirs)} subclass {cls.__name__} and would inherit the rewrite"
+            )
         check_exact(cls, module, plan)
 
     def rewrite(
