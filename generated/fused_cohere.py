@@ -6,6 +6,8 @@
 # Fused:
 #   FusedCohereAttention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedCohereMLP: gate_proj + up_proj -> gate_up_proj (glu)
+# Not fused:
+#   CohereLayerNorm: forward: norm-not-rms: CohereLayerNorm.forward computes no `x * rsqrt(mean(x ** 2) + self.eps)` in float32
 """Fused CohereForCausalLM: sibling projections merged into one GEMM each.
 
 Loads and saves the canonical cohere checkpoint layout; STACKED_PARAMS_MAPPING says

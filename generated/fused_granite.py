@@ -6,6 +6,7 @@
 # Fused:
 #   FusedGraniteAttention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedGraniteMLP: gate_proj + up_proj -> gate_up_proj (glu)
+#   FusedGraniteRMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
 """Fused GraniteForCausalLM: sibling projections merged into one GEMM each.
 
 Loads and saves the canonical granite checkpoint layout; STACKED_PARAMS_MAPPING says
@@ -37,7 +38,6 @@ from transformers.models.granite.modeling_granite import (
     GenerationMixin,
     GradientCheckpointingLayer,
     GraniteConfig,
-    GraniteRMSNorm,
     GraniteRotaryEmbedding,
     PreTrainedModel,
     TransformersKwargs,
@@ -51,6 +51,7 @@ from transformers.models.granite.modeling_granite import (
     eager_attention_forward,
     merge_with_config_defaults,
     slice_logits_to_keep,
+    use_kernel_forward_from_hub,
     use_kernelized_func,
 )
 
@@ -148,6 +149,32 @@ class FusedGraniteAttention(nn.Module):
         return attn_output, attn_weights
 
 
+@use_kernel_forward_from_hub("RMSNorm")
+class FusedGraniteRMSNorm(nn.Module):
+
+    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+        """
+        GraniteRMSNorm is equivalent to T5LayerNorm
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return self.weight * torch.nn.functional.rms_norm(
+                hidden_states, hidden_states.shape[-1:], eps=self.variance_epsilon
+            )
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
 class FusedGraniteMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -174,8 +201,8 @@ class FusedGraniteDecoderLayer(GradientCheckpointingLayer):
         self.self_attn = FusedGraniteAttention(config=config, layer_idx=layer_idx)
 
         self.mlp = FusedGraniteMLP(config)
-        self.input_layernorm = GraniteRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = GraniteRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = FusedGraniteRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedGraniteRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.residual_multiplier = config.residual_multiplier
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -261,7 +288,7 @@ class FusedGraniteModel(FusedGranitePreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedGraniteDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = GraniteRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedGraniteRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = GraniteRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.embedding_multiplier = config.embedding_multiplier
@@ -417,4 +444,5 @@ __all__ = [
     "FusedGraniteMLP",
     "FusedGraniteModel",
     "FusedGranitePreTrainedModel",
+    "FusedGraniteRMSNorm",
 ]

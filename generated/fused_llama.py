@@ -6,6 +6,7 @@
 # Fused:
 #   FusedLlamaAttention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedLlamaMLP: gate_proj + up_proj -> gate_up_proj (glu)
+#   FusedLlamaRMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
 """Fused LlamaForCausalLM: sibling projections merged into one GEMM each.
 
 Loads and saves the canonical llama checkpoint layout; STACKED_PARAMS_MAPPING says
@@ -37,7 +38,6 @@ from transformers.models.llama.modeling_llama import (
     GenerationMixin,
     GradientCheckpointingLayer,
     LlamaConfig,
-    LlamaRMSNorm,
     LlamaRotaryEmbedding,
     PreTrainedModel,
     TransformersKwargs,
@@ -51,6 +51,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
     merge_with_config_defaults,
     slice_logits_to_keep,
+    use_kernel_forward_from_hub,
     use_kernelized_func,
 )
 
@@ -75,6 +76,32 @@ TP_PLAN = {
     "layers.*.mlp.gate_up_proj": "fusegen_merged_colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
+
+
+@use_kernel_forward_from_hub("RMSNorm")
+class FusedLlamaRMSNorm(nn.Module):
+
+    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+        """
+        LlamaRMSNorm is equivalent to T5LayerNorm
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return self.weight * torch.nn.functional.rms_norm(
+                hidden_states, hidden_states.shape[-1:], eps=self.variance_epsilon
+            )
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class FusedLlamaMLP(nn.Module):
@@ -175,8 +202,8 @@ class FusedLlamaDecoderLayer(GradientCheckpointingLayer):
         self.self_attn = FusedLlamaAttention(config=config, layer_idx=layer_idx)
 
         self.mlp = FusedLlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = FusedLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -240,7 +267,7 @@ class FusedLlamaModel(FusedLlamaPreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
 
@@ -391,4 +418,5 @@ __all__ = [
     "FusedLlamaMLP",
     "FusedLlamaModel",
     "FusedLlamaPreTrainedModel",
+    "FusedLlamaRMSNorm",
 ]

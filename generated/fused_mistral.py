@@ -6,6 +6,7 @@
 # Fused:
 #   FusedMistralAttention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedMistralMLP: gate_proj + up_proj -> gate_up_proj (glu)
+#   FusedMistralRMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
 """Fused MistralForCausalLM: sibling projections merged into one GEMM each.
 
 Loads and saves the canonical mistral checkpoint layout; STACKED_PARAMS_MAPPING says
@@ -38,7 +39,6 @@ from transformers.models.mistral.modeling_mistral import (
     GenerationMixin,
     GradientCheckpointingLayer,
     MistralConfig,
-    MistralRMSNorm,
     MistralRotaryEmbedding,
     PreTrainedModel,
     TransformersKwargs,
@@ -53,6 +53,7 @@ from transformers.models.mistral.modeling_mistral import (
     eager_attention_forward,
     merge_with_config_defaults,
     slice_logits_to_keep,
+    use_kernel_forward_from_hub,
     use_kernelized_func,
 )
 
@@ -167,14 +168,40 @@ class FusedMistralAttention(nn.Module):
         return attn_output, attn_weights
 
 
+@use_kernel_forward_from_hub("RMSNorm")
+class FusedMistralRMSNorm(nn.Module):
+
+    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+        """
+        MistralRMSNorm is equivalent to T5LayerNorm
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return self.weight * torch.nn.functional.rms_norm(
+                hidden_states, hidden_states.shape[-1:], eps=self.variance_epsilon
+            )
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
 class FusedMistralDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: MistralConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = FusedMistralAttention(config=config, layer_idx=layer_idx)
         self.mlp = FusedMistralMLP(config)
-        self.input_layernorm = MistralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = MistralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = FusedMistralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedMistralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -238,7 +265,7 @@ class FusedMistralModel(FusedMistralPreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedMistralDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = MistralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedMistralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MistralRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
 
@@ -389,4 +416,5 @@ __all__ = [
     "FusedMistralMLP",
     "FusedMistralModel",
     "FusedMistralPreTrainedModel",
+    "FusedMistralRMSNorm",
 ]

@@ -5,6 +5,7 @@
 #
 # Fused:
 #   FusedMixtralAttention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
+#   FusedMixtralRMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
 """Fused MixtralForCausalLM: sibling projections merged into one GEMM each.
 
 Loads and saves the canonical mixtral checkpoint layout; STACKED_PARAMS_MAPPING says
@@ -36,7 +37,6 @@ from transformers.models.mixtral.modeling_mixtral import (
     GradientCheckpointingLayer,
     MixtralConfig,
     MixtralExperts,
-    MixtralRMSNorm,
     MixtralRotaryEmbedding,
     MixtralSparseMoeBlock,
     MixtralTopKRouter,
@@ -57,6 +57,7 @@ from transformers.models.mixtral.modeling_mixtral import (
     load_balancing_loss_func,
     merge_with_config_defaults,
     slice_logits_to_keep,
+    use_kernel_forward_from_hub,
     use_kernelized_func,
 )
 
@@ -79,6 +80,32 @@ TP_PLAN = {
     "layers.*.mlp.experts.down_proj": "rowwise",
     "layers.*.mlp.experts": "moe_tp_experts",
 }
+
+
+@use_kernel_forward_from_hub("RMSNorm")
+class FusedMixtralRMSNorm(nn.Module):
+
+    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+        """
+        MixtralRMSNorm is equivalent to T5LayerNorm
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return self.weight * torch.nn.functional.rms_norm(
+                hidden_states, hidden_states.shape[-1:], eps=self.variance_epsilon
+            )
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 @use_kernelized_func(apply_rotary_pos_emb)
@@ -158,8 +185,8 @@ class FusedMixtralDecoderLayer(GradientCheckpointingLayer):
         self.self_attn = FusedMixtralAttention(config, layer_idx)
 
         self.mlp = MixtralSparseMoeBlock(config)
-        self.input_layernorm = MixtralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = MixtralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = FusedMixtralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedMixtralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -228,7 +255,7 @@ class FusedMixtralModel(FusedMixtralPreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedMixtralDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = MixtralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedMixtralRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MixtralRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
 
@@ -402,4 +429,5 @@ __all__ = [
     "FusedMixtralForCausalLM",
     "FusedMixtralModel",
     "FusedMixtralPreTrainedModel",
+    "FusedMixtralRMSNorm",
 ]

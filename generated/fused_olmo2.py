@@ -5,6 +5,7 @@
 #
 # Fused:
 #   FusedOlmo2Attention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
+#   FusedOlmo2RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, weight-then-cast, eps=self.variance_epsilon)
 #   FusedOlmo2MLP: gate_proj + up_proj -> gate_up_proj (glu)
 """Fused Olmo2ForCausalLM: sibling projections merged into one GEMM each.
 
@@ -37,7 +38,6 @@ from transformers.models.olmo2.modeling_olmo2 import (
     GenerationMixin,
     GradientCheckpointingLayer,
     Olmo2Config,
-    Olmo2RMSNorm,
     Olmo2RotaryEmbedding,
     PreTrainedModel,
     TransformersKwargs,
@@ -51,6 +51,7 @@ from transformers.models.olmo2.modeling_olmo2 import (
     eager_attention_forward,
     merge_with_config_defaults,
     slice_logits_to_keep,
+    use_kernel_forward_from_hub,
     use_kernelized_func,
 )
 
@@ -68,6 +69,29 @@ STACKED_PARAMS_MAPPING = {
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 # No tensor parallelism: layers.*.self_attn.q_proj is 'colwise_gather_output'; fusegen merges only pieces that are all 'colwise'.
 TP_PLAN = None
+
+
+@use_kernel_forward_from_hub("RMSNorm")
+class FusedOlmo2RMSNorm(nn.Module):
+
+    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+        """
+        Olmo2RMSNorm is equivalent to T5LayerNorm
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states) -> torch.Tensor:
+        return (
+            self.weight
+            * torch.nn.functional.rms_norm(
+                hidden_states.to(torch.float32), hidden_states.shape[-1:], eps=self.variance_epsilon
+            )
+        ).to(hidden_states.dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 @use_kernelized_func(apply_rotary_pos_emb)
@@ -97,8 +121,8 @@ class FusedOlmo2Attention(nn.Module):
         self.o_proj = nn.Linear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
-        self.q_norm = Olmo2RMSNorm(config.num_attention_heads * self.head_dim, config.rms_norm_eps)
-        self.k_norm = Olmo2RMSNorm(config.num_key_value_heads * self.head_dim, config.rms_norm_eps)
+        self.q_norm = FusedOlmo2RMSNorm(config.num_attention_heads * self.head_dim, config.rms_norm_eps)
+        self.k_norm = FusedOlmo2RMSNorm(config.num_key_value_heads * self.head_dim, config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -173,8 +197,8 @@ class FusedOlmo2DecoderLayer(GradientCheckpointingLayer):
         self.self_attn = FusedOlmo2Attention(config=config, layer_idx=layer_idx)
 
         self.mlp = FusedOlmo2MLP(config)
-        self.post_attention_layernorm = Olmo2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_feedforward_layernorm = Olmo2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedOlmo2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = FusedOlmo2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -237,7 +261,7 @@ class FusedOlmo2Model(FusedOlmo2PreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedOlmo2DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = Olmo2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedOlmo2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Olmo2RotaryEmbedding(config=config)
         self.gradient_checkpointing = False
 
@@ -388,4 +412,5 @@ __all__ = [
     "FusedOlmo2MLP",
     "FusedOlmo2Model",
     "FusedOlmo2PreTrainedModel",
+    "FusedOlmo2RMSNorm",
 ]

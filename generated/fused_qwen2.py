@@ -6,6 +6,7 @@
 # Fused:
 #   FusedQwen2Attention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedQwen2MLP: gate_proj + up_proj -> gate_up_proj (glu)
+#   FusedQwen2RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
 """Fused Qwen2ForCausalLM: sibling projections merged into one GEMM each.
 
 Loads and saves the canonical qwen2 checkpoint layout; STACKED_PARAMS_MAPPING says
@@ -39,7 +40,6 @@ from transformers.models.qwen2.modeling_qwen2 import (
     GradientCheckpointingLayer,
     PreTrainedModel,
     Qwen2Config,
-    Qwen2RMSNorm,
     Qwen2RotaryEmbedding,
     TransformersKwargs,
     Unpack,
@@ -53,6 +53,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
     eager_attention_forward,
     merge_with_config_defaults,
     slice_logits_to_keep,
+    use_kernel_forward_from_hub,
     use_kernelized_func,
 )
 
@@ -169,6 +170,32 @@ class FusedQwen2Attention(nn.Module):
         return attn_output, attn_weights
 
 
+@use_kernel_forward_from_hub("RMSNorm")
+class FusedQwen2RMSNorm(nn.Module):
+
+    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+        """
+        Qwen2RMSNorm is equivalent to T5LayerNorm
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return self.weight * torch.nn.functional.rms_norm(
+                hidden_states, hidden_states.shape[-1:], eps=self.variance_epsilon
+            )
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
 class FusedQwen2DecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: Qwen2Config, layer_idx: int):
         super().__init__()
@@ -177,8 +204,8 @@ class FusedQwen2DecoderLayer(GradientCheckpointingLayer):
         self.self_attn = FusedQwen2Attention(config=config, layer_idx=layer_idx)
 
         self.mlp = FusedQwen2MLP(config)
-        self.input_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = FusedQwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedQwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -242,7 +269,7 @@ class FusedQwen2Model(FusedQwen2PreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedQwen2DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedQwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen2RotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.has_sliding_layers = "sliding_attention" in self.config.layer_types
@@ -404,4 +431,5 @@ __all__ = [
     "FusedQwen2MLP",
     "FusedQwen2Model",
     "FusedQwen2PreTrainedModel",
+    "FusedQwen2RMSNorm",
 ]
