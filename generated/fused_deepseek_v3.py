@@ -5,6 +5,7 @@
 #
 # Fused:
 #   FusedDeepseekV3Attention: q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj (merged_column)
+#   FusedDeepseekV3RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
 #   FusedDeepseekV3MLP: gate_proj + up_proj -> gate_up_proj (glu)
 """Fused DeepseekV3ForCausalLM: sibling projections merged into one GEMM each.
 
@@ -34,7 +35,6 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     Callable,
     DeepseekV3Config,
     DeepseekV3Experts,
-    DeepseekV3RMSNorm,
     DeepseekV3RotaryEmbedding,
     DeepseekV3TopkRouter,
     DynamicCache,
@@ -57,6 +57,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     eager_attention_forward,
     merge_with_config_defaults,
     slice_logits_to_keep,
+    use_kernel_forward_from_hub,
     yarn_apply_mscale,
 )
 
@@ -86,6 +87,31 @@ TP_PLAN = {
     "layers.*.mlp.gate_up_proj": "fusegen_merged_colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
+
+
+@use_kernel_forward_from_hub("RMSNorm")
+class FusedDeepseekV3RMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
+        """
+        DeepseekV3RMSNorm is equivalent to T5LayerNorm
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return self.weight * torch.nn.functional.rms_norm(
+                hidden_states, hidden_states.shape[-1:], eps=self.variance_epsilon
+            )
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class FusedDeepseekV3MLP(nn.Module):
@@ -157,7 +183,7 @@ class FusedDeepseekV3Attention(nn.Module):
             if self.q_lora_rank is not None
             else nn.Linear(self.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
         )
-        self.q_a_layernorm = DeepseekV3RMSNorm(self.q_lora_rank) if self.q_lora_rank is not None else None
+        self.q_a_layernorm = FusedDeepseekV3RMSNorm(self.q_lora_rank) if self.q_lora_rank is not None else None
         self.q_b_proj = (
             nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
             if self.q_lora_rank is not None
@@ -179,7 +205,7 @@ class FusedDeepseekV3Attention(nn.Module):
             if self.fused_qkv_a_proj is not None
             else nn.Linear(self.hidden_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=config.attention_bias)
         )
-        self.kv_a_layernorm = DeepseekV3RMSNorm(config.kv_lora_rank)
+        self.kv_a_layernorm = FusedDeepseekV3RMSNorm(config.kv_lora_rank)
         self.kv_b_proj = nn.Linear(
             config.kv_lora_rank,
             self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
@@ -291,8 +317,8 @@ class FusedDeepseekV3DecoderLayer(GradientCheckpointingLayer):
         else:
             self.mlp = FusedDeepseekV3MLP(config)
 
-        self.input_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = FusedDeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedDeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -367,7 +393,7 @@ class FusedDeepseekV3Model(FusedDeepseekV3PreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedDeepseekV3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedDeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DeepseekV3RotaryEmbedding(config=config)
         self.gradient_checkpointing = False
 
@@ -526,4 +552,5 @@ __all__ = [
     "FusedDeepseekV3MoE",
     "FusedDeepseekV3Model",
     "FusedDeepseekV3PreTrainedModel",
+    "FusedDeepseekV3RMSNorm",
 ]

@@ -5,6 +5,7 @@
 #
 # Fused:
 #   FusedGemma3Attention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
+#   FusedGemma3RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, weight-then-cast, eps=self.eps)
 #   FusedGemma3MLP: gate_proj + up_proj -> gate_up_proj (glu)
 """Fused Gemma3ForCausalLM: sibling projections merged into one GEMM each.
 
@@ -38,7 +39,6 @@ from transformers.models.gemma3.modeling_gemma3 import (
     DynamicCache,
     Gemma3Config,
     Gemma3MultiModalProjector,
-    Gemma3RMSNorm,
     Gemma3RotaryEmbedding,
     Gemma3TextConfig,
     Gemma3TextScaledWordEmbedding,
@@ -105,6 +105,27 @@ class FusedGemma3MLP(nn.Module):
         return down_proj
 
 
+class FusedGemma3RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        # Llama does x.to(float16) * w whilst Gemma3 is (x * w).to(float16)
+        # See https://github.com/huggingface/transformers/pull/29402
+        return (
+            torch.nn.functional.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)
+            * (1.0 + self.weight.to(torch.float32))
+        ).to(x.dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
 @use_kernelized_func(apply_rotary_pos_emb)
 class FusedGemma3Attention(nn.Module):
     """Multi-headed attention from 'Attention Is All You Need' paper"""
@@ -137,8 +158,8 @@ class FusedGemma3Attention(nn.Module):
         self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
         self.is_sliding = self.layer_type == "sliding_attention"
 
-        self.q_norm = Gemma3RMSNorm(dim=config.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Gemma3RMSNorm(dim=config.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = FusedGemma3RMSNorm(dim=config.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = FusedGemma3RMSNorm(dim=config.head_dim, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -195,10 +216,10 @@ class FusedGemma3DecoderLayer(GradientCheckpointingLayer):
         self.layer_idx = layer_idx
         self.self_attn = FusedGemma3Attention(config=config, layer_idx=layer_idx)
         self.mlp = FusedGemma3MLP(config)
-        self.input_layernorm = Gemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Gemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
-        self.pre_feedforward_layernorm = Gemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
-        self.post_feedforward_layernorm = Gemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = FusedGemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedGemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
+        self.pre_feedforward_layernorm = FusedGemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = FusedGemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -288,7 +309,7 @@ class FusedGemma3TextModel(FusedGemma3PreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedGemma3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Gemma3RotaryEmbedding(config)
         self.gradient_checkpointing = False
 
@@ -461,5 +482,6 @@ __all__ = [
     "FusedGemma3ForCausalLM",
     "FusedGemma3MLP",
     "FusedGemma3PreTrainedModel",
+    "FusedGemma3RMSNorm",
     "FusedGemma3TextModel",
 ]

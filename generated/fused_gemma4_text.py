@@ -8,6 +8,7 @@
 #   FusedGemma4TextMLP: gate_proj + up_proj -> gate_up_proj (glu)
 # Not fused:
 #   Gemma4TextAttention: q_proj + k_proj + v_proj: unusual-init: the projections are constructed in different blocks (line 1178)
+#   Gemma4RMSNorm: forward: norm-expression: `mean_squared.pow(-0.5)`
 """Fused Gemma4ForCausalLM: sibling projections merged into one GEMM each.
 
 Loads and saves the canonical gemma4_text checkpoint layout; STACKED_PARAMS_MAPPING says

@@ -151,8 +151,7 @@ class FusedGraniteAttention(nn.Module):
 
 @use_kernel_forward_from_hub("RMSNorm")
 class FusedGraniteRMSNorm(nn.Module):
-
-    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
         """
         GraniteRMSNorm is equivalent to T5LayerNorm
         """

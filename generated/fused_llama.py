@@ -80,8 +80,7 @@ TP_PLAN = {
 
 @use_kernel_forward_from_hub("RMSNorm")
 class FusedLlamaRMSNorm(nn.Module):
-
-    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
         """
         LlamaRMSNorm is equivalent to T5LayerNorm
         """

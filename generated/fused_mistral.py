@@ -170,8 +170,7 @@ class FusedMistralAttention(nn.Module):
 
 @use_kernel_forward_from_hub("RMSNorm")
 class FusedMistralRMSNorm(nn.Module):
-
-    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
         """
         MistralRMSNorm is equivalent to T5LayerNorm
         """

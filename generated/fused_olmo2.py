@@ -73,8 +73,7 @@ TP_PLAN = None
 
 @use_kernel_forward_from_hub("RMSNorm")
 class FusedOlmo2RMSNorm(nn.Module):
-
-    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
         """
         Olmo2RMSNorm is equivalent to T5LayerNorm
         """

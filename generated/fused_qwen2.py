@@ -172,8 +172,7 @@ class FusedQwen2Attention(nn.Module):
 
 @use_kernel_forward_from_hub("RMSNorm")
 class FusedQwen2RMSNorm(nn.Module):
-
-    def __init__(self, hidden_size, eps: float = 1e-06) -> None:
+    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
         """
         Qwen2RMSNorm is equivalent to T5LayerNorm
         """

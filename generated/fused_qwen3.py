@@ -5,6 +5,7 @@
 #
 # Fused:
 #   FusedQwen3Attention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
+#   FusedQwen3RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
 #   FusedQwen3MLP: gate_proj + up_proj -> gate_up_proj (glu)
 """Fused Qwen3ForCausalLM: sibling projections merged into one GEMM each.
 
@@ -39,7 +40,6 @@ from transformers.models.qwen3.modeling_qwen3 import (
     GradientCheckpointingLayer,
     PreTrainedModel,
     Qwen3Config,
-    Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
     TransformersKwargs,
     Unpack,
@@ -53,6 +53,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
     merge_with_config_defaults,
     slice_logits_to_keep,
+    use_kernel_forward_from_hub,
     use_kernelized_func,
 )
 
@@ -79,6 +80,31 @@ TP_PLAN = {
     "layers.*.mlp.gate_up_proj": "fusegen_merged_colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
+
+
+@use_kernel_forward_from_hub("RMSNorm")
+class FusedQwen3RMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
+        """
+        Qwen3RMSNorm is equivalent to T5LayerNorm
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return self.weight * torch.nn.functional.rms_norm(
+                hidden_states, hidden_states.shape[-1:], eps=self.variance_epsilon
+            )
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class FusedQwen3MLP(nn.Module):
@@ -128,8 +154,10 @@ class FusedQwen3Attention(nn.Module):
         self.o_proj = nn.Linear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)  # unlike olmo, only on the head dim!
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)  # thus post q_norm does not need reshape
+        self.q_norm = FusedQwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)  # unlike olmo, only on the head dim!
+        self.k_norm = FusedQwen3RMSNorm(
+            self.head_dim, eps=config.rms_norm_eps
+        )  # thus post q_norm does not need reshape
         self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -184,8 +212,8 @@ class FusedQwen3DecoderLayer(GradientCheckpointingLayer):
         self.self_attn = FusedQwen3Attention(config=config, layer_idx=layer_idx)
 
         self.mlp = FusedQwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = FusedQwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedQwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -249,7 +277,7 @@ class FusedQwen3Model(FusedQwen3PreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedQwen3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedQwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.has_sliding_layers = "sliding_attention" in self.config.layer_types
@@ -411,4 +439,5 @@ __all__ = [
     "FusedQwen3MLP",
     "FusedQwen3Model",
     "FusedQwen3PreTrainedModel",
+    "FusedQwen3RMSNorm",
 ]

@@ -5,6 +5,7 @@
 #
 # Fused:
 #   FusedQwen3MoeAttention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
+#   FusedQwen3MoeRMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
 """Fused Qwen3MoeForCausalLM: sibling projections merged into one GEMM each.
 
 Loads and saves the canonical qwen3_moe checkpoint layout; STACKED_PARAMS_MAPPING says
@@ -41,7 +42,6 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeConfig,
     Qwen3MoeExperts,
     Qwen3MoeMLP,
-    Qwen3MoeRMSNorm,
     Qwen3MoeRotaryEmbedding,
     Qwen3MoeSparseMoeBlock,
     Qwen3MoeTopKRouter,
@@ -58,6 +58,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     load_balancing_loss_func,
     merge_with_config_defaults,
     slice_logits_to_keep,
+    use_kernel_forward_from_hub,
     use_kernelized_func,
 )
 
@@ -114,8 +115,12 @@ class FusedQwen3MoeAttention(nn.Module):
         self.o_proj = nn.Linear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
-        self.q_norm = Qwen3MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)  # unlike olmo, only on the head dim!
-        self.k_norm = Qwen3MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)  # thus post q_norm does not need reshape
+        self.q_norm = FusedQwen3MoeRMSNorm(
+            self.head_dim, eps=config.rms_norm_eps
+        )  # unlike olmo, only on the head dim!
+        self.k_norm = FusedQwen3MoeRMSNorm(
+            self.head_dim, eps=config.rms_norm_eps
+        )  # thus post q_norm does not need reshape
         self.sliding_window = getattr(config, "sliding_window", None)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -162,6 +167,31 @@ class FusedQwen3MoeAttention(nn.Module):
         return attn_output, attn_weights
 
 
+@use_kernel_forward_from_hub("RMSNorm")
+class FusedQwen3MoeRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
+        """
+        Qwen3MoeRMSNorm is equivalent to T5LayerNorm
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return self.weight * torch.nn.functional.rms_norm(
+                hidden_states, hidden_states.shape[-1:], eps=self.variance_epsilon
+            )
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
 class FusedQwen3MoeDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: Qwen3MoeConfig, layer_idx: int):
         super().__init__()
@@ -172,8 +202,8 @@ class FusedQwen3MoeDecoderLayer(GradientCheckpointingLayer):
             self.mlp = Qwen3MoeSparseMoeBlock(config)
         else:
             self.mlp = Qwen3MoeMLP(config, intermediate_size=config.intermediate_size)
-        self.input_layernorm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = FusedQwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FusedQwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_size = config.hidden_size
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -248,7 +278,7 @@ class FusedQwen3MoeModel(FusedQwen3MoePreTrainedModel):
         self.layers = nn.ModuleList(
             [FusedQwen3MoeDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FusedQwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3MoeRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
 
@@ -422,4 +452,5 @@ __all__ = [
     "FusedQwen3MoeForCausalLM",
     "FusedQwen3MoeModel",
     "FusedQwen3MoePreTrainedModel",
+    "FusedQwen3MoeRMSNorm",
 ]

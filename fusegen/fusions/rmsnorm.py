@@ -313,7 +313,7 @@ class NormPlan(FusionPlan):
 
 
 def _plan(class_name: str, input_name: str, eps: str, term: Term, style: str) -> NormPlan:
-    return NormPlan(KIND, "forward", (), class_name, input_name, eps, term, style)
+    return NormPlan(KIND, "forward", class_name=class_name, input_name=input_name, eps=eps, term=term, style=style)
 
 
 def derive(cls: type, instance: nn.Module, namespace: dict | None = None) -> NormPlan:
@@ -602,7 +602,7 @@ class RMSNormKind(Kind):
         except Refused as refusal:
             if not reported(cls):
                 return []
-            return [NormPlan(KIND, "forward", (), cls.__name__, refusal=(refusal.rule, refusal.reason, refusal.line))]
+            return [NormPlan(KIND, "forward", class_name=cls.__name__, refusal=(refusal.rule, refusal.reason, refusal.line))]
 
     def check(self, module: nn.Module, plan: FusionPlan) -> None:
         """The derivation's refusal, if any; then `norm-subclassed`; then validation by execution (`check_exact`)."""
