@@ -14,16 +14,43 @@ TABLES = {
 }
 
 
-@pytest.mark.parametrize("model_type", sorted(TABLES))
+ATTENTION = {"gpt_neo": "GPTNeoSelfAttention", "jamba": "JambaAttention", "nemotron_h": "NemotronHAttention"}
+VARIANTS = {
+    # a construction variant each that moves or multiplies the fused attention (found by construction_variants)
+    "jamba": "attn_layer_offset=0",
+    "nemotron_h": "layers_block_type=['full_attention', 'full_attention', ...",
+    "gpt_neo": "tie_word_embeddings=False",
+    "gemma4": "tie_word_embeddings=False",
+}
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "gpt_neo",
+        "gemma4",
+        pytest.param("jamba", marks=pytest.mark.slow),
+        pytest.param("nemotron_h", marks=pytest.mark.slow),
+    ],
+)
 def test_fused_copy_is_reached_and_the_fused_model_matches_the_original(model_type):
     result = build(model_type)
     assert not [r for o in result.outcomes for r in o.refused if r.rule == "unreachable"]
     assert TABLES[model_type] in result.text
+    if model_type in ATTENTION:
+        fused = {(o.class_name, plan.merged) for o in result.outcomes for plan in o.fused}
+        assert (ATTENTION[model_type], "qkv_proj") in fused
     # Tiny random original saved and loaded into the fused class; logits within 1e-5, same greedy tokens,
-    # and every fused class the original's counterpart is built for is built (never the original instead).
+    # and every fused class the original's counterpart is built for is built (never the original instead);
+    # then the same under every construction variant of the tiny config.
     verification = verify(model_type, result.text)
     assert verification["status"] == "verified", verification
-    assert "not in the tiny model" not in verification["reason"]
+    assert "in none of the configs" not in verification["reason"]
+    checks = {check["config"]: check for check in verification["checks"]}
+    assert checks["tiny"]["status"] == "verified" and VARIANTS[model_type] in checks, sorted(checks)
+    assert checks[VARIANTS[model_type]]["status"] == "verified", checks[VARIANTS[model_type]]
+    assert all(check["status"] in ("verified", "skipped") for check in checks.values()), checks
+    assert sum(check["status"] == "verified" for check in checks.values()) >= 3 or model_type == "gpt_neo"
 
 
 def test_an_entry_the_model_never_builds_is_left_out_and_named():
