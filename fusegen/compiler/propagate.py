@@ -71,31 +71,44 @@ class ClassTable:
     module: ModuleType
 
     def fused_copy(self, built: set[str]) -> ast.Module:
-        """The table, keeping only entries whose class the analysed model builds (renamed later if fused).
+        """The table, keeping the entries whose class the analysed model builds (renamed later if fused).
 
-        A class the model never built was never analysed: it may hold the very
-        projections the stacked mapping merges (GPT-Neo's flash-attention class
-        inherits them), and loading a fused checkpoint into it would leave
-        weights unfilled. Its entry is left out, so selecting it fails loudly
-        (KeyError) instead, and a note in the file names it.
+        A class the model never built was never analysed nor validated: it may hold the very projections the
+        stacked mapping merges (GPT-Neo's flash-attention class inherits them), and loading a fused checkpoint
+        into it would leave weights unfilled. Its entry points at a class of its own (`left_out_class`) that
+        refuses to be built with a `ValueError` naming the entry, the class and the entries that are fused, so
+        selecting it (`attn_implementation="flash_attention_2"`) fails clearly instead of with a bare KeyError.
         """
         statement = copy.deepcopy(self.statement)
-        kept = [
-            (key, value)
-            for key, value in zip(statement.value.keys, statement.value.values)
-            if not isinstance(value, ast.Name) or value.id in built
-        ]
-        statement.value.keys = [key for key, _ in kept]
-        statement.value.values = [value for _, value in kept]
-        body: list[ast.stmt] = [statement]
         left_out = {key: name for key, name in self.entries.items() if name not in built}
-        if left_out:
-            listed = ", ".join(f"{key!r} ({name})" for key, name in left_out.items())
-            note = f"Left out of {self.name}: {listed}; the analysed model never builds it, so it was not fused."
-            body.append(ast.Expr(ast.Constant(note)))
+        kept = [key for key, name in self.entries.items() if name in built]
+        body: list[ast.stmt] = []
+        for value in statement.value.values:
+            if isinstance(value, ast.Name) and value.id not in built:
+                key = next(key for key, name in left_out.items() if name == value.id)
+                stub = self.left_out_class(key, value.id, kept)
+                body.append(stub)
+                value.id = stub.name
+        body.append(statement)
         module = ast.Module(body=body, type_ignores=[])
         module.lineno = self.statement.lineno
         return module
+
+    def left_out_class(self, key: object, name: str, kept: list) -> ast.ClassDef:
+        """`class <name>NotFused` whose construction raises: the table entry `key` of a class never analysed."""
+        fused = ", ".join(repr(k) for k in kept) or "none"
+        message = (
+            f"{name} (entry {key!r} of {self.name}) is not fused: the model fusegen analysed never builds it, so it "
+            f"was neither analysed nor validated. Use an entry that is fused ({fused}), for example through "
+            "`attn_implementation=`, or the original Transformers class."
+        )
+        source = (
+            f"class {name}NotFused:\n"
+            f"    {ast.unparse(ast.Constant(message))}\n\n"
+            "    def __init__(self, *args, **kwargs):\n"
+            "        raise ValueError(type(self).__doc__)\n"
+        )
+        return ast.parse(source).body[0]
 
 
 def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted: set[str]) -> bool:
