@@ -119,3 +119,55 @@ def test_a_holder_built_from_a_class_table_is_scoped_by_the_attribute_it_is_assi
     ).body[0]
     references = _holder_references(classdef, {"Holder"}, {"TABLE": {"Holder"}})
     assert sorted(references) == [("Holder", ""), ("Holder", "compressor")]
+
+
+def import_text(tmp_path, monkeypatch, model_type, text):
+    import importlib.util
+    import sys
+
+    (tmp_path / f"fused_{model_type}.py").write_text(text)
+    spec = importlib.util.spec_from_file_location(
+        f"class_tables_fused_{model_type}", tmp_path / f"fused_{model_type}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_text_model_of_any_type_is_built_through_a_dispatch_on_its_config_type(tmp_path, monkeypatch):
+    # GotOcr2Config declares text_config as AutoConfig (any model type, qwen2 by default): the fused file builds
+    # FusedQwen2Model exactly when the text config is a Qwen2Config, and AutoModel.from_config as before otherwise.
+    from transformers import LlamaConfig, LlamaModel, Qwen2Config
+
+    from fusegen.compiler.resolve import resolve
+    from fusegen.compiler.shrink import tiny_config
+
+    result = build("got_ocr2")
+    assert not [r for o in result.outcomes for r in o.refused if r.rule == "unreachable"]
+    assert "FusedQwen2Model._from_config(config.text_config)" in result.text
+    assert "else AutoModel.from_config(config.text_config)" in result.text
+    verification = verify("got_ocr2", result.text)
+    assert verification["status"] == "verified", verification
+    module = import_text(tmp_path, monkeypatch, "got_ocr2", result.text)
+    config = tiny_config(resolve("got_ocr2").config_class)
+    assert isinstance(config.text_config, Qwen2Config)
+    assert type(module.FusedGotOcr2Model(config).language_model) is module.FusedQwen2Model
+    config.text_config = tiny_config(LlamaConfig)
+    assert type(module.FusedGotOcr2Model(config).language_model) is LlamaModel
+
+
+def test_a_dispatch_needs_a_plain_argument_and_a_class_the_auto_mapping_names():
+    import ast
+
+    from transformers import AutoModel, Qwen2Model, Qwen2PreTrainedModel
+
+    from fusegen.compiler.propagate import _dispatches_to
+
+    def call(source):
+        return ast.parse(source, mode="eval").body
+
+    assert _dispatches_to(call("AutoModel.from_config(config.text_config)"), AutoModel, Qwen2Model)
+    assert _dispatches_to(call("AutoModel.from_config(text_config)"), AutoModel, Qwen2Model)
+    assert not _dispatches_to(call("AutoModel.from_config(config.get_text_config())"), AutoModel, Qwen2Model)
+    assert not _dispatches_to(call("AutoModel.from_config(config.text_config)"), AutoModel, Qwen2PreTrainedModel)

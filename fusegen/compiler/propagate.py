@@ -112,19 +112,22 @@ class ClassTable:
 
 
 def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted: set[str]) -> bool:
-    """Rewrite `self.x = AutoModel.from_config(config.<field>)` in `__init__` to `T._from_config(config.<field>)`
-    where `T`, the class built there, is emitted, so the fused copy of `T` is named and built.
+    """Rewrite `self.x = AutoModel.from_config(<config>)` in `__init__` so that it names `T`, the class built
+    there, when `T` is emitted, so the fused copy of `T` is named and built.
 
-    The two are the same call when the Auto class maps the config `cls` declares for `<field>` to `T`, and that
-    config has no text part `T` would be built from instead (what `from_config` adds for local code). Checked
-    against the class's `config_class.sub_configs` (so it holds for every config of the type, not just the one
-    built) and against each instance in the model; anything else is left as it is, and stays unreachable.
-    Returns whether a call was rewritten.
+    Where the class's `config_class` declares the config field (`config.<field>`, a concrete config class)
+    and the Auto class maps it to `T`, the call becomes `T._from_config(config.<field>)` (`_from_config_builds`
+    says when the two are the same call for every config of the type). Where the field may hold any model type
+    (declared `AutoConfig`, or a value read some other way), the call becomes a dispatch on the value's type
+    that is the same call for every config (`_dispatch`): `T._from_config(x)` when `x` is exactly `T`'s config
+    class and names no remote code, `AutoModel.from_config(x)` as before otherwise. Anything else is left as it
+    is, and stays unreachable. Returns whether a call was rewritten.
     """
     rewritten = False
     init = astutil.method(classdef, "__init__")
-    if init is None or not _config_is_the_parameter(init):
+    if init is None:
         return False
+    config_is_parameter = _config_is_the_parameter(init)
     instances = [module for module in model.modules() if type(module) is cls]
     module = sys.modules[cls.__module__]
     for stmt in ast.walk(init) if instances else []:
@@ -135,12 +138,61 @@ def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted
         if len(built) != 1 or not _is_auto_from_config(call, module):
             continue
         (built_class,) = built
-        if built_class.__name__ in emitted and _from_config_builds(call, cls, getattr(module, call.func.value.id)) is (
-            built_class
-        ):
+        if built_class.__name__ not in emitted:
+            continue
+        auto = getattr(module, call.func.value.id)
+        if config_is_parameter and _from_config_builds(call, cls, auto) is built_class:
             call.func = ast.Attribute(ast.Name(built_class.__name__, ast.Load()), "_from_config", ast.Load())
             rewritten = True
+        elif _dispatches_to(call, auto, built_class):
+            stmt.value = _dispatch(call, built_class)
+            rewritten = True
     return rewritten
+
+
+def _dispatches_to(call: ast.Call, auto: type, built: type) -> bool:
+    """Whether `built._from_config(x)` is exactly `auto.from_config(x)` whenever `type(x)` is `built.config_class`
+    and `x` names no remote code for `auto`.
+
+    `auto.from_config` then takes its local-code path: it looks the model class up by the config's type, which
+    must give `built` itself (not several classes to choose from by `architectures`), and builds the text part
+    instead only when the config declares a text sub-config of that very class, which is checked not to be so.
+    The argument must be a plain name or attribute read (`config.text_config`, `text_config`), since the
+    dispatch reads it three times.
+    """
+    argument = call.args[0] if call.args else call.keywords[0].value
+    if call.keywords and call.keywords[0].arg != "config":
+        return False
+    node = argument
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return False
+    config_class = getattr(built, "config_class", None)
+    if not isinstance(config_class, type):
+        return False
+    try:
+        mapped = auto._model_mapping[config_class]
+    except (KeyError, TypeError):
+        return False
+    return mapped is built and getattr(config_class, "sub_configs", {}).get("text_config") is not config_class
+
+
+def _dispatch(call: ast.Call, built: type) -> ast.expr:
+    """`T._from_config(x) if <x is exactly T's config class> and <no remote code> else <call>`.
+
+    The config class is named by module and qualified name, so the generated file need not import it.
+    """
+    argument = ast.unparse(call.args[0] if call.args else call.keywords[0].value)
+    auto = call.func.value.id
+    config_class = built.config_class
+    qualified = (config_class.__module__, config_class.__qualname__)
+    source = (
+        f"{built.__name__}._from_config({argument}) "
+        f"if (type({argument}).__module__, type({argument}).__qualname__) == {qualified!r} "
+        f'and {auto}.__name__ not in (getattr({argument}, "auto_map", None) or {{}}) else {ast.unparse(call)}'
+    )
+    return ast.parse(source, mode="eval").body
 
 
 def _config_is_the_parameter(init: ast.FunctionDef) -> bool:
@@ -326,8 +378,9 @@ def unreachable_reasons(target_module: ModuleType, model: nn.Module, stray: set[
 
     The modules above an instance of it are looked up in the model, nearest
     first: one whose `__init__` calls `AutoModel.from_config(...)` picks the
-    class of what it builds from the config's type at run time, so no copy is
-    ever named there; otherwise the construction is one fusegen cannot follow.
+    class of what it builds from the config's type at run time, and
+    `name_auto_built` found no exact rewrite naming the copy; otherwise the
+    construction is one fusegen cannot follow.
     """
     universe = {cls.__name__: cls for cls in _model_classes(target_module, model)}
     reasons = {}
@@ -338,7 +391,9 @@ def unreachable_reasons(target_module: ModuleType, model: nn.Module, stray: set[
         if call is not None:
             reasons[name] = (
                 f"{root} reaches it only through `{ast.unparse(call)}` in {owner}.__init__ (line {call.lineno}), "
-                "which picks the class from the config's type at run time, so a fused copy would never be used"
+                "which picks the class from the config's type at run time, and no call naming the fused copy is the "
+                "same call for every config (the argument is not a plain read, or the Auto class does not map the "
+                "built class's own config class to it), so a fused copy would never be used"
             )
         else:
             builder = ancestors[0][0] if ancestors else "an unknown module"
