@@ -7,7 +7,7 @@ from fusegen.compiler.build import build
 from fusegen.tools.coverage import verify
 
 TABLES = {
-    "gpt_neo": 'FUSED_GPT_NEO_ATTENTION_CLASSES = {"eager": FusedGPTNeoSelfAttention}',
+    "gpt_neo": '"eager": FusedGPTNeoSelfAttention,',
     "jamba": "FUSED_ALL_DECODER_LAYER_TYPES = {",
     "nemotron_h": '"full_attention": FusedNemotronHAttention,',
     "gemma4": "self.language_model = FusedGemma4TextModel._from_config(config.text_config)",

@@ -30,7 +30,7 @@ NOISE = 0.05
 SEED = 0
 BATCH, LENGTH = 2, 12
 NEW_TOKENS = 4
-TIMEOUT = 240.0
+TIMEOUT = 600.0
 ALREADY_FUSED = re.compile(r"^(qkv_proj|qkv|c_attn|Wqkv|query_key_value|wqkv|in_proj|gate_up_proj|w13|gate_up)$")
 
 
@@ -790,6 +790,15 @@ def render_markdown(rows: list[Row]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [_summary_markdown(row) for row in rows]
+    lines += ["", "## Unreachable fusions, and why", ""]
+    unreachable = [
+        f"- `{row.model_type}`, {outcome['class']}: {refusal['reason']}"
+        for row in rows
+        for outcome in row.report.get("classes", [])
+        for refusal in outcome["refused"]
+        if refusal["rule"] == "unreachable"
+    ]
+    lines += unreachable or ["None: every fused class is built by its causal LM."]
     lines += [
         "",
         "## Per model type: details",
