@@ -82,23 +82,23 @@ class ClassTable:
         statement = copy.deepcopy(self.statement)
         left_out = {key: name for key, name in self.entries.items() if name not in built}
         kept = [key for key, name in self.entries.items() if name in built]
-        body: list[ast.stmt] = []
+        stubs: dict[str, ast.ClassDef] = {}
         for value in statement.value.values:
             if isinstance(value, ast.Name) and value.id not in built:
-                key = next(key for key, name in left_out.items() if name == value.id)
-                stub = self.left_out_class(key, value.id, kept)
-                body.append(stub)
+                keys = [key for key, name in left_out.items() if name == value.id]
+                stub = stubs.setdefault(value.id, self.left_out_class(keys, value.id, kept))
                 value.id = stub.name
-        body.append(statement)
+        body: list[ast.stmt] = [*stubs.values(), statement]
         module = ast.Module(body=body, type_ignores=[])
         module.lineno = self.statement.lineno
         return module
 
-    def left_out_class(self, key: object, name: str, kept: list) -> ast.ClassDef:
-        """`class <name>NotFused` whose construction raises: the table entry `key` of a class never analysed."""
+    def left_out_class(self, keys: list, name: str, kept: list) -> ast.ClassDef:
+        """`class <name>NotFused` whose construction raises: the table entries `keys` of a class never analysed."""
         fused = ", ".join(repr(k) for k in kept) or "none"
+        entries = f"entry {keys[0]!r}" if len(keys) == 1 else f"entries {', '.join(map(repr, keys))}"
         message = (
-            f"{name} (entry {key!r} of {self.name}) is not fused: the model fusegen analysed never builds it, so it "
+            f"{name} ({entries} of {self.name}) is not fused: the model fusegen analysed never builds it, so it "
             f"was neither analysed nor validated. Use an entry that is fused ({fused}), for example through "
             "`attn_implementation=`, or the original Transformers class."
         )
@@ -181,7 +181,8 @@ def _dispatches_to(call: ast.Call, auto: type, built: type) -> bool:
 def _dispatch(call: ast.Call, built: type) -> ast.expr:
     """`T._from_config(x) if <x is exactly T's config class> and <no remote code> else <call>`.
 
-    The config class is named by module and qualified name, so the generated file need not import it.
+    The config class is named by module and qualified name, so the generated file need not import it. The Auto
+    mapping is read at build time, as for `T._from_config` (a class registered over it later is not seen).
     """
     argument = ast.unparse(call.args[0] if call.args else call.keywords[0].value)
     auto = call.func.value.id
