@@ -25,7 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = "import transformers.models.llama.modeling_llama, transformers.models.qwen2.modeling_qwen2"
-UNVALIDATED = "from fusegen.compiler.build import build\nfor name in ('llama', 'qwen2'):\n    build(name, validate=False)"
+UNVALIDATED = (
+    "from fusegen.compiler.build import build\nfor name in ('llama', 'qwen2'):\n    build(name, validate=False)"
+)
 
 
 def timed(command: list[str]) -> tuple[float, float]:

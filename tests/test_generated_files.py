@@ -70,7 +70,9 @@ def test_generated_file_imports_only_torch_transformers_and_the_runtime(target):
             modules |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             modules.add(node.module)
-    roots = {module.partition(".")[0] for module in modules} - set(sys.stdlib_module_names)  # `math` adds no dependency
+    roots = {module.partition(".")[0] for module in modules} - set(
+        sys.stdlib_module_names
+    )  # `math` adds no dependency
     assert roots <= {"torch", "transformers", "fusegen"}
     assert {module for module in modules if module.startswith("fusegen")} == {"fusegen.runtime"}
 

@@ -137,9 +137,7 @@ def test_qwen3_moe_dense_layers_load_exactly(tmp_path, variant):
 def test_a_stale_mapping_that_misses_the_dense_layer_raises(built, tmp_path):
     """The file the old compiler wrote (parents read off the default config) must refuse, not random-init layer 0."""
     text = Path(built["deepseek_v2"].__file__).read_text()
-    stale = text.replace(
-        '"gate_up_proj": ["mlp", "shared_experts"]', '"gate_up_proj": ["shared_experts"]'
-    )
+    stale = text.replace('"gate_up_proj": ["mlp", "shared_experts"]', '"gate_up_proj": ["shared_experts"]')
     assert stale != text
     (tmp_path / "fused_deepseek_v2.py").write_text(stale)
     module = import_file(tmp_path / "fused_deepseek_v2.py", "strict_loading_stale_deepseek_v2")
@@ -267,3 +265,34 @@ class Moe(nn.Module):
     layer, moe = ast.parse(source).body
     assert sorted(_holder_references(layer, {"Mlp", "Layer"})) == [("Mlp", "extra"), ("Mlp", "mlp")]
     assert sorted(_holder_references(moe, {"Mlp"})) == [("Mlp", ""), ("Mlp", "shared_experts")]
+
+
+def test_a_merged_parameter_tied_to_a_filled_one_counts_as_filled():
+    """Zamba saves its shared transformer once and ties it into every other hybrid layer (`all_tied_weights_keys`):
+    the tied copies' merged weights are missing from the checkpoint, and Transformers' `tie_weights` fills them."""
+    with torch.device("meta"):
+        model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
+    target, source = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.0.self_attn.qkv_proj.weight"
+    model.all_tied_weights_keys = {**model.all_tied_weights_keys, target: source}
+    check_loading(model, info(missing=[target]))  # the source was filled: the tie fills the target
+    check_loading(model, info(missing=[source]))  # only the target was in the checkpoint: Transformers swaps them
+    with pytest.raises(CheckpointError, match="none of its pieces") as error:
+        check_loading(model, info(missing=[target, source]))  # nothing real to tie in
+    assert error.value.tensor in (target, source)
+
+
+def test_zamba_shared_transformer_loads_through_its_tied_merged_weights(tmp_path):
+    """End to end: the tiny Zamba saved by the original class loads into the fused class, ties and all."""
+    from fusegen.compiler.resolve import resolve
+    from fusegen.compiler.shrink import tiny_config as shrunk
+
+    (tmp_path / "fused_zamba.py").write_text(build("zamba").text)
+    module = import_file(tmp_path / "fused_zamba.py", "strict_loading_fused_zamba")
+    target = resolve("zamba")
+    config = shrunk(target.config_class)
+    assert config.layers_block_type.count("hybrid") >= 2, config.layers_block_type
+    path, original = save_original(tmp_path, target.causal_lm, config)
+    fused = assert_loads_exactly(module.FusedZambaForCausalLM, path, original)
+    hybrid = [layer for layer in fused.model.layers if hasattr(layer, "shared_transf")]
+    first, *rest = (layer.shared_transf.self_attn.qkv_proj.weight for layer in hybrid)
+    assert rest and all(weight is first for weight in rest)

@@ -51,6 +51,16 @@ def _meta_model():
 def test_synthetic_inputs_stop_at_the_tuple():
     trace = trace_module(_meta_model().attention)
     assert "the length of position_embeddings is not known" in trace.error
+    # the stop says why the trace had no real inputs, so the report can tell a class the forward never reached
+    assert trace.error.endswith("(traced with synthetic inputs: the model's meta forward never reached it)")
+
+
+def test_a_recorded_trace_that_stops_does_not_get_the_synthetic_note():
+    model = _meta_model()
+    recorded = record_inputs(model, [model.attention])
+    args, kwargs = recorded[id(model.attention)]
+    trace = trace_module(model.attention, (args, {**kwargs, "flag": torch.ones(1, device="meta")}))
+    assert trace.error is not None and "synthetic" not in trace.error
 
 
 def test_recorded_inputs_unpack_the_tuple_and_find_the_group():

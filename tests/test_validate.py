@@ -70,7 +70,9 @@ def test_a_generated_module_that_does_not_import_is_a_mismatch(llama):
 def test_build_refuses_the_class_at_fault_and_keeps_the_rest(monkeypatch):
     """The MLP's text computes something else: the retry without the MLP's fusion validates and is what is built."""
     render = fusegen.compiler.build.render
-    monkeypatch.setattr(fusegen.compiler.build, "render", lambda **context: render(**context).replace(GLU_LINE, GLU_SWAPPED))
+    monkeypatch.setattr(
+        fusegen.compiler.build, "render", lambda **context: render(**context).replace(GLU_LINE, GLU_SWAPPED)
+    )
     result = build("llama")
     assert result.text is not None and result.validation.mismatch is None, result.validation.describe()
     assert GLU_SWAPPED not in result.text and "gate_up_proj" not in result.text
@@ -148,7 +150,9 @@ def test_check_fails_when_a_checked_in_file_no_longer_validates(monkeypatch, tmp
 
     render = fusegen.compiler.build.render
     (tmp_path / "fused_llama.py").write_text("# an old file\n")
-    monkeypatch.setattr(fusegen.compiler.build, "render", lambda **context: render(**context) + "\nraise RuntimeError('x')\n")
+    monkeypatch.setattr(
+        fusegen.compiler.build, "render", lambda **context: render(**context) + "\nraise RuntimeError('x')\n"
+    )
     assert main(["build", "--check", "llama", "--output-dir", str(tmp_path)]) == 1
     captured = capsys.readouterr()
     assert "validation-mismatch" in captured.out and "is stale" in captured.err

@@ -71,47 +71,63 @@ class ClassTable:
     module: ModuleType
 
     def fused_copy(self, built: set[str]) -> ast.Module:
-        """The table, keeping only entries whose class the analysed model builds (renamed later if fused).
+        """The table, keeping the entries whose class the analysed model builds (renamed later if fused).
 
-        A class the model never built was never analysed: it may hold the very
-        projections the stacked mapping merges (GPT-Neo's flash-attention class
-        inherits them), and loading a fused checkpoint into it would leave
-        weights unfilled. Its entry is left out, so selecting it fails loudly
-        (KeyError) instead, and a note in the file names it.
+        A class the model never built was never analysed nor validated: it may hold the very projections the
+        stacked mapping merges (GPT-Neo's flash-attention class inherits them), and loading a fused checkpoint
+        into it would leave weights unfilled. Its entry points at a class of its own (`left_out_class`) that
+        refuses to be built with a `ValueError` naming the entry, the class and the entries that are fused, so
+        selecting it (`attn_implementation="flash_attention_2"`) fails clearly instead of with a bare KeyError.
         """
         statement = copy.deepcopy(self.statement)
-        kept = [
-            (key, value)
-            for key, value in zip(statement.value.keys, statement.value.values)
-            if not isinstance(value, ast.Name) or value.id in built
-        ]
-        statement.value.keys = [key for key, _ in kept]
-        statement.value.values = [value for _, value in kept]
-        body: list[ast.stmt] = [statement]
         left_out = {key: name for key, name in self.entries.items() if name not in built}
-        if left_out:
-            listed = ", ".join(f"{key!r} ({name})" for key, name in left_out.items())
-            note = f"Left out of {self.name}: {listed}; the analysed model never builds it, so it was not fused."
-            body.append(ast.Expr(ast.Constant(note)))
+        kept = [key for key, name in self.entries.items() if name in built]
+        stubs: dict[str, ast.ClassDef] = {}
+        for value in statement.value.values:
+            if isinstance(value, ast.Name) and value.id not in built:
+                keys = [key for key, name in left_out.items() if name == value.id]
+                stub = stubs.setdefault(value.id, self.left_out_class(keys, value.id, kept))
+                value.id = stub.name
+        body: list[ast.stmt] = [*stubs.values(), statement]
         module = ast.Module(body=body, type_ignores=[])
         module.lineno = self.statement.lineno
         return module
 
+    def left_out_class(self, keys: list, name: str, kept: list) -> ast.ClassDef:
+        """`class <name>NotFused` whose construction raises: the table entries `keys` of a class never analysed."""
+        fused = ", ".join(repr(k) for k in kept) or "none"
+        entries = f"entry {keys[0]!r}" if len(keys) == 1 else f"entries {', '.join(map(repr, keys))}"
+        message = (
+            f"{name} ({entries} of {self.name}) is not fused: the model fusegen analysed never builds it, so it "
+            f"was neither analysed nor validated. Use an entry that is fused ({fused}), for example through "
+            "`attn_implementation=`, or the original Transformers class."
+        )
+        source = (
+            f"class {name}NotFused:\n"
+            f"    {ast.unparse(ast.Constant(message))}\n\n"
+            "    def __init__(self, *args, **kwargs):\n"
+            "        raise ValueError(type(self).__doc__)\n"
+        )
+        return ast.parse(source).body[0]
+
 
 def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted: set[str]) -> bool:
-    """Rewrite `self.x = AutoModel.from_config(config.<field>)` in `__init__` to `T._from_config(config.<field>)`
-    where `T`, the class built there, is emitted, so the fused copy of `T` is named and built.
+    """Rewrite `self.x = AutoModel.from_config(<config>)` in `__init__` so that it names `T`, the class built
+    there, when `T` is emitted, so the fused copy of `T` is named and built.
 
-    The two are the same call when the Auto class maps the config `cls` declares for `<field>` to `T`, and that
-    config has no text part `T` would be built from instead (what `from_config` adds for local code). Checked
-    against the class's `config_class.sub_configs` (so it holds for every config of the type, not just the one
-    built) and against each instance in the model; anything else is left as it is, and stays unreachable.
-    Returns whether a call was rewritten.
+    Where the class's `config_class` declares the config field (`config.<field>`, a concrete config class)
+    and the Auto class maps it to `T`, the call becomes `T._from_config(config.<field>)` (`_from_config_builds`
+    says when the two are the same call for every config of the type). Where the field may hold any model type
+    (declared `AutoConfig`, or a value read some other way), the call becomes a dispatch on the value's type
+    that is the same call for every config (`_dispatch`): `T._from_config(x)` when `x` is exactly `T`'s config
+    class and names no remote code, `AutoModel.from_config(x)` as before otherwise. Anything else is left as it
+    is, and stays unreachable. Returns whether a call was rewritten.
     """
     rewritten = False
     init = astutil.method(classdef, "__init__")
-    if init is None or not _config_is_the_parameter(init):
+    if init is None:
         return False
+    config_is_parameter = _config_is_the_parameter(init)
     instances = [module for module in model.modules() if type(module) is cls]
     module = sys.modules[cls.__module__]
     for stmt in ast.walk(init) if instances else []:
@@ -122,12 +138,62 @@ def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted
         if len(built) != 1 or not _is_auto_from_config(call, module):
             continue
         (built_class,) = built
-        if built_class.__name__ in emitted and _from_config_builds(call, cls, getattr(module, call.func.value.id)) is (
-            built_class
-        ):
+        if built_class.__name__ not in emitted:
+            continue
+        auto = getattr(module, call.func.value.id)
+        if config_is_parameter and _from_config_builds(call, cls, auto) is built_class:
             call.func = ast.Attribute(ast.Name(built_class.__name__, ast.Load()), "_from_config", ast.Load())
             rewritten = True
+        elif _dispatches_to(call, auto, built_class):
+            stmt.value = _dispatch(call, built_class)
+            rewritten = True
     return rewritten
+
+
+def _dispatches_to(call: ast.Call, auto: type, built: type) -> bool:
+    """Whether `built._from_config(x)` is exactly `auto.from_config(x)` whenever `type(x)` is `built.config_class`
+    and `x` names no remote code for `auto`.
+
+    `auto.from_config` then takes its local-code path: it looks the model class up by the config's type, which
+    must give `built` itself (not several classes to choose from by `architectures`), and builds the text part
+    instead only when the config declares a text sub-config of that very class, which is checked not to be so.
+    The argument must be a plain name or attribute read (`config.text_config`, `text_config`), since the
+    dispatch reads it three times.
+    """
+    argument = call.args[0] if call.args else call.keywords[0].value
+    if call.keywords and call.keywords[0].arg != "config":
+        return False
+    node = argument
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return False
+    config_class = getattr(built, "config_class", None)
+    if not isinstance(config_class, type):
+        return False
+    try:
+        mapped = auto._model_mapping[config_class]
+    except (KeyError, TypeError):
+        return False
+    return mapped is built and getattr(config_class, "sub_configs", {}).get("text_config") is not config_class
+
+
+def _dispatch(call: ast.Call, built: type) -> ast.expr:
+    """`T._from_config(x) if <x is exactly T's config class> and <no remote code> else <call>`.
+
+    The config class is named by module and qualified name, so the generated file need not import it. The Auto
+    mapping is read at build time, as for `T._from_config` (a class registered over it later is not seen).
+    """
+    argument = ast.unparse(call.args[0] if call.args else call.keywords[0].value)
+    auto = call.func.value.id
+    config_class = built.config_class
+    qualified = (config_class.__module__, config_class.__qualname__)
+    source = (
+        f"{built.__name__}._from_config({argument}) "
+        f"if (type({argument}).__module__, type({argument}).__qualname__) == {qualified!r} "
+        f'and {auto}.__name__ not in (getattr({argument}, "auto_map", None) or {{}}) else {ast.unparse(call)}'
+    )
+    return ast.parse(source, mode="eval").body
 
 
 def _config_is_the_parameter(init: ast.FunctionDef) -> bool:
@@ -313,8 +379,9 @@ def unreachable_reasons(target_module: ModuleType, model: nn.Module, stray: set[
 
     The modules above an instance of it are looked up in the model, nearest
     first: one whose `__init__` calls `AutoModel.from_config(...)` picks the
-    class of what it builds from the config's type at run time, so no copy is
-    ever named there; otherwise the construction is one fusegen cannot follow.
+    class of what it builds from the config's type at run time, and
+    `name_auto_built` found no exact rewrite naming the copy; otherwise the
+    construction is one fusegen cannot follow.
     """
     universe = {cls.__name__: cls for cls in _model_classes(target_module, model)}
     reasons = {}
@@ -325,7 +392,9 @@ def unreachable_reasons(target_module: ModuleType, model: nn.Module, stray: set[
         if call is not None:
             reasons[name] = (
                 f"{root} reaches it only through `{ast.unparse(call)}` in {owner}.__init__ (line {call.lineno}), "
-                "which picks the class from the config's type at run time, so a fused copy would never be used"
+                "which picks the class from the config's type at run time, and no call naming the fused copy is the "
+                "same call for every config (the argument is not a plain read, or the Auto class does not map the "
+                "built class's own config class to it), so a fused copy would never be used"
             )
         else:
             builder = ancestors[0][0] if ancestors else "an unknown module"

@@ -60,12 +60,22 @@ def trace_module(module: nn.Module, recorded: Recorded | None = None) -> Trace:
     """
     snapshot = None if recorded is None else _snapshot(recorded)
     if snapshot is None:
-        return _trace(module, None)
+        why = "the model's meta forward never reached it" if recorded is None else "its recorded inputs do not copy"
+        return _with_note(_trace(module, None), f"traced with synthetic inputs: {why}")
     trace = _trace(module, snapshot)
     if trace.error is None:
         return trace
     synthetic = _trace(module, None)
-    return synthetic if _child_calls(synthetic) > _child_calls(trace) else trace
+    if _child_calls(synthetic) > _child_calls(trace):
+        return _with_note(
+            synthetic, f"traced with synthetic inputs: with its recorded ones it stopped at {trace.error}"
+        )
+    return trace
+
+
+def _with_note(trace: Trace, note: str) -> Trace:
+    """`trace` with `note` appended to its stop reason, if it stopped: the report says why the trace stopped."""
+    return trace if trace.error is None else Trace(trace.graph, f"{trace.error} ({note})")
 
 
 def _trace(module: nn.Module, recorded: Recorded | None) -> Trace:

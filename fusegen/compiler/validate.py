@@ -422,7 +422,9 @@ def _mapped(name: str, source: dict, mapping: dict, used: set | None = None):
 # --- construction variants -------------------------------------------------------------------------------------------
 
 
-def construction_variants(target, config, limit: int = MAX_VARIANTS) -> list[tuple[str, object]]:
+def construction_variants(
+    target, config, limit: int | None = MAX_VARIANTS, max_probes: int | None = MAX_PROBES, every_field: bool = False
+) -> list[tuple[str, object]]:
     """Up to `limit` configs, each `config` with one field changed, that build a differently structured model.
 
     Candidates (`candidate_changes`) are booleans flipped, optional fields set to None or to a small value,
@@ -430,24 +432,33 @@ def construction_variants(target, config, limit: int = MAX_VARIANTS) -> list[tup
     and MQA for the kv-head count. Each is built (uninitialised) and kept only if its module tree differs from the
     tiny config's and from every variant kept so far (module types and paths, parameter names and shapes, tying);
     one whose config or model does not build is dropped. A false alarm costs one more check, a miss one less.
+
+    The build keeps its cost down: at most `limit` variants from at most `max_probes` probes, of fields the modeling
+    module names. The coverage tool passes None for both and `every_field=True`, since a field the modeling code
+    never names can still decide the structure through the config (Jamba's `attn_layer_offset` makes
+    `layers_block_type`).
     """
     from fusegen.compiler.shrink import tiny_config
     from fusegen.testkit import model_config
 
     seen = {_structure(target, config)}
     variants = []
-    read = _source_words(target)
+    read = _EVERYTHING if every_field else _source_words(target)
+    reshrinks = _reshrinks_to_itself(target, config)
     probes = 0
     for name, value in candidate_changes(config):
-        if len(variants) >= limit:
+        if limit is not None and len(variants) >= limit:
             break
-        if probes >= MAX_PROBES and name != "tie_word_embeddings":
+        if max_probes is not None and probes >= max_probes and name != "tie_word_embeddings":
             continue
         if name not in read and name != "tie_word_embeddings":
             continue  # the modeling module never names it (one read only elsewhere is a missed variant, no more)
         probes += 1
         try:
-            variant = model_config(target, tiny_config(config, **{name: value}))
+            if reshrinks:
+                variant = model_config(target, tiny_config(config, **{name: value}))
+            else:
+                variant = dataclasses.replace(config, **{name: value})
             if getattr(variant, name, value) != value and not isinstance(value, list):
                 continue  # the config re-derived the field: not the variant asked for
             structure = _structure(target, variant)
@@ -457,6 +468,24 @@ def construction_variants(target, config, limit: int = MAX_VARIANTS) -> list[tup
             seen.add(structure)
             variants.append((f"{name}={_short_value(value)}", variant))
     return variants
+
+
+def _reshrinks_to_itself(target, config) -> bool:
+    """Whether shrinking `config` again, changing nothing, gives `config` back.
+
+    A variant is normally the tiny config shrunk again with one field changed, so that fields derived from it (a
+    layer-kind list from a counter) are derived again. Where shrinking is not idempotent (Zamba derives
+    `attention_hidden_size` as twice the hidden size, and shrinking caps it again, so the original no longer runs),
+    each variant is instead `config` itself with the field replaced, derived fields as they were: a derived field
+    left stale can only make a variant that builds the tiny model again, which is then dropped (a missed variant).
+    """
+    from fusegen.compiler.shrink import tiny_config
+    from fusegen.tools.coverage import model_config
+
+    try:
+        return model_config(target, tiny_config(config)).to_dict() == config.to_dict()
+    except Exception:  # noqa: BLE001 - a config that does not shrink again
+        return False
 
 
 _COUNTERS = re.compile(

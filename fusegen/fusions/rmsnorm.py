@@ -602,7 +602,11 @@ class RMSNormKind(Kind):
         except Refused as refusal:
             if not reported(cls):
                 return []
-            return [NormPlan(KIND, "forward", class_name=cls.__name__, refusal=(refusal.rule, refusal.reason, refusal.line))]
+            return [
+                NormPlan(
+                    KIND, "forward", class_name=cls.__name__, refusal=(refusal.rule, refusal.reason, refusal.line)
+                )
+            ]
 
     def check(self, module: nn.Module, plan: FusionPlan) -> None:
         """The derivation's refusal, if any; then `norm-subclassed`; then validation by execution (`check_exact`)."""

@@ -146,9 +146,7 @@ class MergedColumnSplit(ConversionOps):
         # A projection without a bias (Whisper's k_proj) gets no bias tensor back: its rows are zeros fusion added.
         # Full names, since Transformers completes the returned patterns from the first one, which may be dropped.
         return {
-            head + target + tail: piece
-            for index, (target, piece) in enumerate(pieces.items())
-            if index not in absent
+            head + target + tail: piece for index, (target, piece) in enumerate(pieces.items()) if index not in absent
         }
 
     @property
@@ -177,7 +175,9 @@ def _with_absent_bias(
     completed = dict(input_dict)
     for index in absent:
         like = present[0]
-        completed[source_patterns[index]] = torch.zeros(merged.output_sizes[index], dtype=like.dtype, device=like.device)
+        completed[source_patterns[index]] = torch.zeros(
+            merged.output_sizes[index], dtype=like.dtype, device=like.device
+        )
     return completed
 
 

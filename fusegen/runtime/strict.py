@@ -11,7 +11,8 @@ convert). So the generated pretrained base (through `FusedPreTrainedMixin`) call
 What is checked, on the live model (so it holds for whatever config the model was built with):
 
 - every parameter of a merged linear (a module with `output_sizes`) must have been filled: not missing, not
-  mismatched. The message names the merged tensor, its canonical pieces, the pieces the checkpoint holds that mapped
+  mismatched, or tied (`all_tied_weights_keys`) to a parameter that was filled, which Transformers' `tie_weights`
+  then shares with it (Zamba's shared transformer is saved once and tied into every other hybrid layer). The message names the merged tensor, its canonical pieces, the pieces the checkpoint holds that mapped
   nowhere (the `tensor` of the error, when there is one) and the conversion error, if any;
 - a checkpoint tensor renamed to a merged name the model does not have there (the model keeps that module unfused)
   while the model's own piece stays missing: it maps nowhere and the piece would be random, so it raises too.
@@ -43,13 +44,29 @@ def check_loading(model: torch.nn.Module, loading_info, where: object = None, st
     missing |= {entry[0] for entry in getattr(loading_info, "mismatched_keys", ()) or ()}
     unexpected = set(getattr(loading_info, "unexpected_keys", ()) or ())
     errors = dict(getattr(loading_info, "conversion_errors", {}) or {})
+    tied = _tie_groups(model)
     for path, module in merged_modules(model).items():
         for leaf, tensor in module.named_parameters(recurse=False):
             name = f"{path}.{leaf}"
-            if name in missing:
+            if name in missing and not (tied.get(name, set()) - missing):
                 raise _unfilled(name, _piece_keys(name, mapping), unexpected, errors, prefix, where)
     for key in sorted(unexpected):
         _check_renamed(key, mapping, missing, prefix, where)
+
+
+def _tie_groups(model: torch.nn.Module) -> dict[str, set[str]]:
+    """For each parameter `model.all_tied_weights_keys` ties, every parameter tied with it (itself included).
+
+    Transformers ties each target to its source after loading, and swaps the two when only the target was in the
+    checkpoint; targets sharing a source share one tensor. So a missing merged parameter is filled exactly when some
+    member of its group was filled. A group whose members are all missing stays an error: nothing real is tied in.
+    """
+    groups: dict[str, set[str]] = {}
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        group = groups.get(target, {target}) | groups.get(source, {source})  # chains join one group
+        for member in group:
+            groups[member] = group
+    return groups
 
 
 def _piece_keys(name: str, mapping: Mapping[str, tuple[str, ...]]) -> list[str]:

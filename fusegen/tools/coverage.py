@@ -31,7 +31,7 @@ from fusegen.testkit import TOLERANCE, model_config, random_input, random_model 
 SEED = 0
 BATCH, LENGTH = 2, 12
 NEW_TOKENS = 4
-TIMEOUT = 240.0
+TIMEOUT = 600.0
 ALREADY_FUSED = re.compile(r"^(qkv_proj|qkv|c_attn|Wqkv|query_key_value|wqkv|in_proj|gate_up_proj|w13|gate_up)$")
 
 
@@ -47,6 +47,10 @@ class Verification:
     """`same`, `differ`, or why generation was not compared."""
     reason: str = ""
     seconds: float = 0.0
+    checks: list[dict] = field(default_factory=list)
+    """One `ConfigCheck` (as data) per config verified: the tiny config first, then each construction variant."""
+    left_out: list[str] = field(default_factory=list)
+    """Construction variants found but not verified (over the `--variants` limit)."""
 
 
 @dataclass
@@ -174,21 +178,41 @@ def _is_linear(module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
-# --- verification: fused == original on a tiny random model ----------------------------------------------------------
+# --- verification: fused == original on a tiny random model, under every construction variant ---------------------
 
 
-def verify(model_type: str, text: str) -> dict:
-    """Equivalence of the fused causal LM (loaded from the original's checkpoint) and the original; plain data."""
+@dataclass
+class ConfigCheck:
+    """Outcome of the equivalence check under one config of a model type."""
+
+    config: str
+    """`tiny`, or the construction variant (`attention_bias=True`)."""
+    status: str
+    """`verified`, `mismatch`, `failed` or `skipped` (as `Verification.status`)."""
+    max_abs_diff: float | None = None
+    greedy: str = ""
+    reason: str = ""
+    exercised: list[str] = field(default_factory=list)
+    """Fused classes holding a merged linear whose original the model under this config contains."""
+
+
+def verify(model_type: str, text: str, variants: int | None = None) -> dict:
+    """Equivalence of the fused causal LM (loaded from the original's checkpoint) and the original; plain data.
+
+    Checked under the tiny config and under every construction variant of it (`fusegen.compiler.validate.
+    construction_variants`, all fields probed, at most `variants` of them if given): the type is verified only
+    when every config that the original runs is verified (see `_combined`).
+    """
     import torch
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"fusegen-coverage-{model_type}-") as tmp:
-        result = _verify_in(Path(tmp), model_type, text, torch)
+        result = _verify_in(Path(tmp), model_type, text, torch, variants)
     result.seconds = time.perf_counter() - start
     return asdict(result)
 
 
-def _verify_in(tmp: Path, model_type: str, text: str, torch) -> Verification:
+def _verify_in(tmp: Path, model_type: str, text: str, torch, variants: int | None = None) -> Verification:
     from fusegen.compiler.resolve import resolve
     from fusegen.compiler.shrink import ShrinkError, tiny_config
 
@@ -201,51 +225,113 @@ def _verify_in(tmp: Path, model_type: str, text: str, torch) -> Verification:
         config = model_config(target, tiny_config(target.config_class))
     except ShrinkError as error:
         return Verification("skipped", reason=f"no tiny config: {_first_line(error)}")
+    tiny = _verify_config(tmp / "tiny", "tiny", target, fused_class, config, torch)
+    if tiny.status != "verified":
+        return _combined([tiny], [], _merging_in(text))
+    configs, left_out = config_variants(target, config, variants)
+    checks = [tiny]
+    for index, (label, variant) in enumerate(configs):
+        checks.append(_verify_config(tmp / f"variant{index}", label, target, fused_class, variant, torch))
+    return _combined(checks, left_out, _merging_in(text))
+
+
+def _merging_in(text: str) -> set[str]:
+    """Names of the generated classes that construct a merged linear, read off the generated text."""
+    from fusegen.compiler.validate import merging_classes as merging_in_text
+
+    return merging_in_text(text)
+
+
+def config_variants(target, config, limit: int | None) -> tuple[list[tuple[str, object]], list[str]]:
+    """The construction variants to verify (every field probed, see `construction_variants`), and the labels of
+    those left out by `limit`. A failure to probe is no variant (the tiny config was verified already)."""
+    from fusegen.compiler.validate import construction_variants
+
+    try:
+        found = construction_variants(target, config, limit=None, max_probes=None, every_field=True)
+    except Exception:  # noqa: BLE001 - upstream code the probe builds; the tiny config's check stands
+        found = []
+    kept = found if limit is None else found[:limit]
+    return kept, [label for label, _ in found[len(kept) :]]
+
+
+def _combined(checks: list[ConfigCheck], left_out: list[str], merging: set[str]) -> Verification:
+    """One verdict from the per-config checks: the first config that is not verified (mismatch or failure first)
+    decides it; a variant the original cannot run is `skipped` and named, never counted as a pass, but it does not
+    fail a type whose every other config is verified.
+
+    The figure is the largest logit difference over all configs; greedy is `same` only if it was the same under each.
+    """
+    data = [asdict(check) for check in checks]
+    bad = next((c for c in checks if c.status in ("mismatch", "failed")), None)
+    if bad is None and checks[0].status != "verified":
+        bad = checks[0]
+    diffs = [c.max_abs_diff for c in checks if c.max_abs_diff is not None]
+    worst = max(diffs) if diffs else None
+    if bad is not None:
+        where = "" if bad is checks[0] and len(checks) == 1 else f"under {bad.config}: "
+        return Verification(bad.status, worst, bad.greedy, where + bad.reason, checks=data, left_out=left_out)
+    verified = [c for c in checks if c.status == "verified"]
+    same = [c for c in verified if c.greedy == "same"]
+    others = [f"{c.config}: {c.greedy}" for c in verified if c.greedy != "same"]
+    greedy = "same" if not others else f"same under {len(same)} of {len(verified)} configs ({others[0]})"
+    notes = list(dict.fromkeys(c.reason for c in verified if c.reason))
+    skipped = [f"{c.config} ({c.reason})" for c in checks if c.status == "skipped"]
+    if skipped:
+        notes.append(f"skipped, the original does not run: {'; '.join(skipped)}")
+    exercised = {name for c in checks for name in c.exercised}
+    missing = sorted(merging - exercised)
+    if missing:
+        notes.append(f"in none of the configs: {', '.join(missing)}")
+    return Verification("verified", worst, greedy, "; ".join(notes), checks=data, left_out=left_out)
+
+
+def _verify_config(tmp: Path, label: str, target, fused_class, config, torch) -> ConfigCheck:
+    """Save the original under `config`, load it into the fused class, compare logits and greedy tokens."""
     try:
         original = random_model(target.causal_lm, config)
     except Exception as error:  # noqa: BLE001
-        return Verification("skipped", reason=f"original does not build from the tiny config: {_short(error)}")
-
+        return ConfigCheck(label, "skipped", reason=f"original does not build from the config: {_short(error)}")
     checkpoint = tmp / "checkpoint"
     try:
         original.save_pretrained(checkpoint)
     except Exception as error:  # noqa: BLE001
-        return Verification("skipped", reason=f"original cannot save_pretrained: {_short(error)}")
+        return ConfigCheck(label, "skipped", reason=f"original cannot save_pretrained: {_short(error)}")
     try:
         fused, info = fused_class.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
     except Exception as error:  # noqa: BLE001
-        return Verification("failed", reason=f"fused from_pretrained: {_short(error)}")
+        return ConfigCheck(label, "failed", reason=f"fused from_pretrained: {_short(error)}")
     fused.eval()
     problems = {k: sorted(map(str, v))[:4] for k, v in info.items() if v}
     if problems:
-        return Verification("failed", reason=f"fused from_pretrained: {problems}")
+        return ConfigCheck(label, "failed", reason=f"fused from_pretrained: {problems}")
     unused, unexercised = unused_fused_classes(original, fused)
     if unused:
-        return Verification("failed", reason=f"fused model never instantiates {', '.join(unused)}")
-
+        return ConfigCheck(label, "failed", reason=f"fused model never instantiates {', '.join(unused)}")
+    exercised = sorted(set(merging_classes(fused).values()) - set(unexercised))
     input_ids = random_input(config)
-    notes = [f"not in the tiny model: {', '.join(unexercised)}"] if unexercised else []
+    notes = []
     try:
         expected, kwargs = _reference_logits(original, input_ids, torch)
     except Exception as error:  # noqa: BLE001
-        return Verification("skipped", reason=f"needs non-text inputs (original forward: {_short(error)})")
+        return ConfigCheck(label, "skipped", reason=f"needs non-text inputs (original forward: {_short(error)})")
     if kwargs:
         notes.append("compared without cache: the original fails with its cache")
     try:
         actual = _logits(fused, input_ids, torch, **kwargs)
     except Exception as error:  # noqa: BLE001
-        return Verification("failed", reason=f"fused forward: {_short(error)}")
+        return ConfigCheck(label, "failed", reason=f"fused forward: {_short(error)}")
     if expected.shape != actual.shape:
-        return Verification("mismatch", reason=f"logits shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+        return ConfigCheck(label, "mismatch", reason=f"logits shape {tuple(actual.shape)} != {tuple(expected.shape)}")
     diff = (expected - actual).abs().max().item()
     if math.isnan(diff):
-        return Verification("mismatch", reason="fused logits contain NaN (the original's do not)")
+        return ConfigCheck(label, "mismatch", reason="fused logits contain NaN (the original's do not)")
     greedy = compare_greedy(original, fused, input_ids[:1, : LENGTH // 2], torch)
     if diff > TOLERANCE:
-        return Verification("mismatch", diff, greedy, f"max abs logit diff {diff:.3g} > {TOLERANCE:g}")
+        return ConfigCheck(label, "mismatch", diff, greedy, f"max abs logit diff {diff:.3g} > {TOLERANCE:g}")
     if greedy == "differ" or greedy.startswith("fused generate fails"):
-        return Verification("mismatch", diff, greedy, f"greedy tokens: {greedy}")
-    return Verification("verified", diff, greedy, "; ".join(notes))
+        return ConfigCheck(label, "mismatch", diff, greedy, f"greedy tokens: {greedy}")
+    return ConfigCheck(label, "verified", diff, greedy, "; ".join(notes), exercised)
 
 
 def import_causal_lm(tmp: Path, model_type: str, text: str, original_name: str) -> type:
@@ -354,9 +440,9 @@ def preload() -> None:
     import transformers.modeling_utils  # noqa: F401
 
 
-
-def collect(model_types: list[str], jobs: int, timeout: float, log=print) -> list[Row]:
-    """Sweep, then inspect every type and verify every fused one, each in its own process."""
+def collect(model_types: list[str], jobs: int, timeout: float, log=print, variants: int | None = None) -> list[Row]:
+    """Sweep, then inspect every type and verify every fused one (under at most `variants` construction variants
+    besides the tiny config; None: all of them), each in its own process."""
     from fusegen.tools.sweep import sweep
 
     preload()
@@ -366,13 +452,17 @@ def collect(model_types: list[str], jobs: int, timeout: float, log=print) -> lis
         entries[entry.model_type] = entry
         log(f"[build {done}/{len(model_types)}] {entry.model_type}: {entry.status}")
     tasks = [(f"inspect:{t}", inspect_original, (t,)) for t in model_types]
-    tasks += [(f"verify:{t}", verify, (t, e.text)) for t, e in entries.items() if e.status == "fused"]
+    tasks += [(f"verify:{t}", verify, (t, e.text, variants)) for t, e in entries.items() if e.status == "fused"]
     tasks.sort(key=lambda task: task[0].partition(":")[2])
     results: dict[str, dict] = {}
     for done, (key, result) in enumerate(run_isolated(tasks, jobs, timeout), start=1):
         results[key] = result
         if key.startswith("verify:"):
-            log(f"[verify {done}/{len(tasks)}] {key[7:]}: {result.get('status')} {result.get('reason', '')[:160]}")
+            configs = len(result.get("checks", [])) or 1
+            log(
+                f"[verify {done}/{len(tasks)}] {key[7:]}: {result.get('status')} ({configs} configs) "
+                f"{result.get('reason', '')[:160]}"
+            )
     rows = []
     for model_type in model_types:
         entry = entries[model_type]
@@ -424,13 +514,27 @@ def is_verified(row: Row) -> bool:
 
 def summary_counts(rows: list[Row]) -> list[tuple[str, int]]:
     fused = [r for r in rows if r.status == "fused"]
+    checks = [check for r in fused if r.verification for check in r.verification.checks]
     return [
         ("model types swept", len(rows)),
-        ("fused and verified equivalent", sum(is_verified(r) for r in fused)),
+        ("fused and verified equivalent (under every config)", sum(is_verified(r) for r in fused)),
         ("fused, not verified", sum(not is_verified(r) for r in fused)),
         ("nothing to fuse", sum(r.status == "nothing" for r in rows)),
         ("errors (input the compiler refuses, with a reason)", sum(r.status == "error" for r in rows)),
         ("crashes", sum(r.status == "crash" for r in rows)),
+        (
+            "types with attention fused and verified",
+            sum(bool(_fused_in(r, "attention")) and is_verified(r) for r in fused),
+        ),
+        ("types with an MLP fused and verified", sum(bool(_fused_in(r, "MLP")) and is_verified(r) for r in fused)),
+        ("types with a norm fused and verified", sum(bool(_fused_in(r, "norm")) and is_verified(r) for r in fused)),
+        ("types where a trace stopped early (some class)", sum(bool(trace_stops(r)) for r in rows)),
+        ("types with a fusion refused as unreachable", sum(bool(_refused_by(r, "unreachable")) for r in rows)),
+        ("configs verified (tiny configs and construction variants)", sum(c["status"] == "verified" for c in checks)),
+        (
+            "construction variants skipped (the original does not run them)",
+            sum(c["status"] == "skipped" for c in checks),
+        ),
     ] + kind_counts(rows)
 
 
@@ -453,6 +557,117 @@ def kind_counts(rows: list[Row]) -> list[tuple[str, int]]:
     return counts
 
 
+# --- per-type summary: which part of the model is fused ------------------------------------------------------------
+
+_ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
+_MLP_NAME = re.compile(r"mlp|feedforward|feed_forward|ffn|expert|moe|dense|gated", re.IGNORECASE)
+_NORM_NAME = re.compile(r"norm", re.IGNORECASE)
+_PACKED_ATTENTION = re.compile(r"^(qkv_proj|qkv|c_attn|Wqkv|query_key_value|wqkv)$")
+_PACKED_MLP = re.compile(r"^(gate_up_proj|w13|gate_up)$")
+PARTS = ("attention", "MLP", "norm", "other")
+
+
+def part_of(class_name: str, kind: str, projections) -> str:
+    """Which part of a layer a fusion (or refusal) belongs to: `attention`, `MLP`, `norm` or `other`.
+
+    The kind decides where it says (a kind naming a norm, `qkv`, `glu`), then the projections' roles (q/k/v, gate/up),
+    then the class's name (`BartAttention`'s `kv_proj`, an MLA pair in `DeepseekV3Attention`). Only the summary
+    reads it: a wrong guess puts a fusion in the wrong column, never changes what was verified.
+    """
+    from fusegen import fusions
+
+    if "norm" in kind.lower():
+        return "norm"
+    if kind == "qkv" or fusions.kind("qkv").present(projections):
+        return "attention"
+    if kind == "glu" or fusions.kind("glu").present(projections):
+        return "MLP"
+    for part, pattern in (("norm", _NORM_NAME), ("attention", _ATTENTION_NAME), ("MLP", _MLP_NAME)):
+        if pattern.search(class_name):
+            return part
+    return "other"
+
+
+def _fused_in(row: Row, part: str) -> list[str]:
+    """The classes of `row` with a fusion in `part`."""
+    return list(
+        dict.fromkeys(
+            outcome["class"]
+            for outcome in row.report.get("classes", [])
+            for plan in outcome["fused"]
+            if part_of(outcome["class"], plan["kind"], [name for name, _ in plan["shards"]]) == part
+        )
+    )
+
+
+def _refused_in(row: Row, part: str) -> list[str]:
+    """The rule ids of `row`'s refusals in `part`, each once."""
+    return list(
+        dict.fromkeys(
+            refusal["rule"]
+            for outcome in row.report.get("classes", [])
+            for refusal in outcome["refused"]
+            if part_of(outcome["class"], "", refusal["projections"]) == part
+        )
+    )
+
+
+def _refused_by(row: Row, rule: str) -> list[str]:
+    return [o["class"] for o in row.report.get("classes", []) for r in o["refused"] if r["rule"] == rule]
+
+
+def trace_stops(row: Row) -> list[tuple[str, str]]:
+    """(class, why) for each candidate class of `row` whose trace stopped before the end of its forward."""
+    return [(o["class"], o["trace_stopped"]) for o in row.report.get("classes", []) if o.get("trace_stopped")]
+
+
+def part_cell(row: Row, part: str) -> str:
+    """`fused` (verified or not: the last column says), `refused: <rules>`, `packed` (the checkpoint already stores
+    it merged), or empty when the model has no such group."""
+    if _fused_in(row, part):
+        return "fused"
+    refused = _refused_in(row, part)
+    if refused:
+        return "refused: " + ", ".join(refused)
+    packed = _PACKED_ATTENTION if part == "attention" else _PACKED_MLP if part == "MLP" else None
+    if packed and any(packed.match(n) for names in row.inspection.already_fused.values() for n in names):
+        return "packed"
+    return ""
+
+
+def _summary_markdown(row: Row) -> str:
+    refusals = [
+        f"{refusal['rule']}: {outcome['class']}"
+        for outcome in row.report.get("classes", [])
+        for refusal in outcome["refused"]
+    ]
+    stops = [f"{name}: {why}" for name, why in trace_stops(row)]
+    cells = [f"`{row.model_type}`", *(_escape(part_cell(row, part)) for part in PARTS)]
+    cells += [_cell(list(dict.fromkeys(refusals))), _cell(stops), _escape(_configs_cell(row))]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _configs_cell(row: Row) -> str:
+    """`yes: tiny + N variants` when every config is verified, else what is not, by config."""
+    v = row.verification
+    if v is None:
+        return "" if row.status != "fused" else "no: not run"
+    checks = v.checks or [{"config": "tiny", "status": v.status}]
+    variants = [c for c in checks if c["config"] != "tiny"]
+    passed = [c["config"] for c in variants if c["status"] == "verified"]
+    skipped = [c["config"] for c in variants if c["status"] == "skipped"]
+    if v.status != "verified":
+        return f"no ({v.status})"
+    text = f"yes: tiny + {len(passed)} variant{'s' if len(passed) != 1 else ''}"
+    if passed:
+        text += f" ({', '.join(passed)})"
+    if skipped:
+        text += f"; skipped: {', '.join(skipped)}"
+    if v.left_out:
+        text += f"; {len(v.left_out)} not run (--variants)"
+    return text
+
+
 # --- markdown --------------------------------------------------------------------------------------------------------
 
 
@@ -471,10 +686,15 @@ def render_markdown(rows: list[Row]) -> str:
         ),
         "",
         (
-            f"Verification: the original causal LM is built from a tiny config (`fusegen/compiler/shrink.py`), every parameter drawn "
-            "by `fusegen.testkit.randomise` (matrices N(0, 1/fan_in), vectors N(0, 1)), saved with `save_pretrained`, and loaded into the fused class with `from_pretrained` "
-            f"(any missing, unexpected or mismatched key fails). Logits on a fixed random {BATCH}x{LENGTH} input must agree "
-            f"within {TOLERANCE:g} (fp32), and {NEW_TOKENS} greedy tokens must be identical."
+            f"Verification: the original causal LM is built from a tiny config (`fusegen/compiler/shrink.py`), every "
+            f"parameter drawn by `fusegen.testkit.randomise` (matrices N(0, 1/fan_in), vectors N(0, 1)), saved with `save_pretrained`, and loaded into the fused class with "
+            f"`from_pretrained` (any missing, unexpected or mismatched key fails). Logits on a fixed random "
+            f"{BATCH}x{LENGTH} input must agree within {TOLERANCE:g} (fp32), and {NEW_TOKENS} greedy tokens must be "
+            "identical. The same check runs under every construction variant of the tiny config: each config with one "
+            "field changed that changes what `__init__` builds (a bias flag, MQA, dense vs MoE layers, a layer-kind "
+            "list made uniform, an optional projection; `fusegen/compiler/validate.py`, `construction_variants`, every "
+            "field probed). A type counts as verified only if every config verified; a variant the original itself "
+            "cannot run is listed as skipped, never counted."
         ),
         "",
         "## Summary",
@@ -485,7 +705,30 @@ def render_markdown(rows: list[Row]) -> str:
     lines += [f"| {label} | {count} |" for label, count in summary_counts(rows)]
     lines += [
         "",
-        "## Per model type",
+        "## Per model type: what is fused",
+        "",
+        (
+            "`fused`: merged (the last column says whether verified); `refused: <rule ids>`: a group was found and "
+            "declined (the detailed table below gives each reason); `packed`: the checkpoint already stores the group "
+            "merged. Trace stops name the class and why its trace ended before the end of its forward."
+        ),
+        "",
+        "| model type | attention | MLP | norm | other | refused (rule: class) | trace stopped | verified under |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_summary_markdown(row) for row in rows]
+    lines += ["", "## Unreachable fusions, and why", ""]
+    unreachable = [
+        f"- `{row.model_type}`, {outcome['class']}: {refusal['reason']}"
+        for row in rows
+        for outcome in row.report.get("classes", [])
+        for refusal in outcome["refused"]
+        if refusal["rule"] == "unreachable"
+    ]
+    lines += unreachable or ["None: every fused class is built by its causal LM."]
+    lines += [
+        "",
+        "## Per model type: details",
         "",
         "| model type | build | fused | refused | already fused | verified | error |",
         "|---|---|---|---|---|---|---|",
@@ -533,7 +776,8 @@ def _verified_cell(row: Row) -> str:
         return "" if row.status != "fused" else "no: not run"
     if v.status == "verified":
         note = f"; {v.reason}" if v.reason else ""
-        return _escape(f"yes (max abs diff {v.max_abs_diff:.1e}; greedy {v.greedy}{note})")
+        configs = f"{len(v.checks)} configs; " if len(v.checks) > 1 else ""
+        return _escape(f"yes ({configs}max abs diff {v.max_abs_diff:.1e}; greedy {v.greedy}{note})")
     detail = v.reason or v.status
     return _escape(f"no ({v.status}): {detail}")
 
@@ -561,6 +805,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=Path("docs/coverage.md"), metavar="FILE")
     parser.add_argument("--only", nargs="+", metavar="TYPE", help="these model types only")
     parser.add_argument("--timeout", type=float, default=TIMEOUT, metavar="S", help="per model type, in seconds")
+    parser.add_argument(
+        "--variants",
+        type=int,
+        default=None,
+        metavar="N",
+        help="verify at most N construction variants per type besides the tiny config (default: all)",
+    )
     args = parser.parse_args(argv)
 
     from fusegen.compiler.resolve import causal_lm_types
@@ -571,7 +822,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown model types: {', '.join(unknown)}")
     start = time.perf_counter()
-    rows = collect(model_types, args.jobs, args.timeout, log=lambda line: print(line, file=sys.stderr, flush=True))
+    log = lambda line: print(line, file=sys.stderr, flush=True)
+    rows = collect(model_types, args.jobs, args.timeout, log=log, variants=args.variants)
     text = render_markdown(rows)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text, encoding="utf-8")
