@@ -340,3 +340,21 @@ def test_export_bad_input_exits_2_and_writes_nothing(checkpoint, tmp_path, capsy
         assert message in capsys.readouterr().err
     assert sorted(p.name for p in remote.iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["original", "remote"]
+
+
+ASK_THEN_IMPORT_PEFT = """
+import importlib.util, sys
+import fusegen.runtime
+assert "peft" not in sys.modules
+assert importlib.util.find_spec("peft") is not None  # what Transformers' is_peft_available() does
+from peft.tuners.tuners_utils import BaseTuner
+print(getattr(BaseTuner.inject_adapter, "_fusegen", False))
+"""
+
+
+def test_asking_whether_peft_is_installed_does_not_disarm_the_hooks(tmp_path):
+    """Asking for PEFT's spec (Transformers' is_peft_available, e.g. inside from_pretrained) before PEFT is imported
+    used to remove the import hook, so PEFT later loaded untaught and a canonical adapter found no q_proj."""
+    result = _run(ASK_THEN_IMPORT_PEFT, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "True"

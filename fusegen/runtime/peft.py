@@ -595,13 +595,23 @@ def load_adapter(
 
 
 class _InstallAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds nothing itself: when `peft` is imported, lets the normal finders load it, then calls `install()`."""
+    """Finds nothing itself: when `peft` is imported, lets the normal finders load it, then calls `install()`.
+
+    It stays armed until PEFT is actually executed: `importlib.util.find_spec("peft")` alone (Transformers'
+    `is_peft_available()` asks it) must not disarm it, or a later `import peft` would load PEFT untaught and a
+    canonical adapter would then find no `q_proj` on a fused model.
+    """
+
+    _searching = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "peft":
+        if name != "peft" or self._searching:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._searching = True  # the normal finders' spec; this finder is skipped while they look
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._searching = False
         if spec is None or spec.loader is None:
             return spec
         self.loader = spec.loader
@@ -612,6 +622,8 @@ class _InstallAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
         module.__spec__.loader = module.__loader__ = self.loader
         self.loader.exec_module(module)
         try:
