@@ -480,7 +480,7 @@ def _reshrinks_to_itself(target, config) -> bool:
     left stale can only make a variant that builds the tiny model again, which is then dropped (a missed variant).
     """
     from fusegen.compiler.shrink import tiny_config
-    from fusegen.tools.coverage import model_config
+    from fusegen.testkit import model_config
 
     try:
         return model_config(target, tiny_config(config)).to_dict() == config.to_dict()
