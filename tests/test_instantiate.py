@@ -10,7 +10,8 @@ from fusegen.errors import InputError
 def test_llama_builds_on_meta_without_memory():
     model = instantiate(resolve("llama"))
     assert all(parameter.is_meta for parameter in model.parameters())
-    assert [cls.__name__ for cls in candidates(model)] == ["LlamaAttention", "LlamaMLP"]
+    # The linear kinds want the attention and the MLP, the rmsnorm kind the norm.
+    assert [cls.__name__ for cls in candidates(model)] == ["LlamaAttention", "LlamaMLP", "LlamaRMSNorm"]
 
 
 @pytest.mark.parametrize("model_type", ["ministral", "emu3"])
