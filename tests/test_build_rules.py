@@ -59,3 +59,11 @@ def test_a_veto_carries_its_rule_id_as_data():
         (("q_proj", "k_proj", "v_proj"), "some-new-rule", "a reason worded like no other rule's")
     ]
     assert [plan.merged for o in outcomes for plan in o.fused if plan.shards] == ["gate_up_proj"]
+
+
+def test_a_refusal_quoting_a_multi_line_statement_stays_one_header_comment_line():
+    # CpmAntLayerNorm's forward starts with an `assert`, which the norm kind's refusal quotes as `if ...: raise ...`.
+    text = build("cpmant", validate=False).text
+    refused = [line for line in text.splitlines() if line.startswith("#   CpmAntLayerNorm:")]
+    assert len(refused) == 1 and "raise AssertionError" in refused[0]
+    compile(text, "fused_cpmant.py", "exec")

@@ -140,8 +140,12 @@ def render_module(analysis: Analysis, emission: Emission) -> str:
         model_type=target.model_type,
         build_target=target.source,
         fingerprint=hashlib.sha256(inspect.getsource(target.module).encode()).hexdigest(),
-        fused_lines=[f"{fused_name(o.class_name)}: {plan.describe()}" for o in outcomes for plan in o.fused],
-        refused_lines=[f"{o.class_name}: {refusal.describe()}" for o in outcomes for refusal in o.refused],
+        fused_lines=[
+            _comment_line(f"{fused_name(o.class_name)}: {plan.describe()}") for o in outcomes for plan in o.fused
+        ],
+        refused_lines=[
+            _comment_line(f"{o.class_name}: {refusal.describe()}") for o in outcomes for refusal in o.refused
+        ],
         causal_lm=target.causal_lm.__name__,
         imports=emission.imports,
         stacked_params_mapping=repr(stacked_mapping(plans)),
@@ -189,3 +193,9 @@ def _validated(name: str, result: BuildResult, refused: Vetoes | None) -> BuildR
         for outcome in result.outcomes
     ]
     return BuildResult(result.target, outcomes, None, [], report)
+
+
+def _comment_line(text: str) -> str:
+    """`text` on one line, for the header's `#` comments: a reason quoting a multi-line statement (an `assert`
+    unparsed as `if ...: raise ...`) would otherwise end the comment and break the file."""
+    return " ".join(text.split())
