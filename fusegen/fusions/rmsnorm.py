@@ -583,15 +583,18 @@ class RMSNormKind(Kind):
     priority = 90
 
     def candidate(self, module: nn.Module) -> bool:
-        """Leaf modules (no children) of a class defined outside torch, holding a parameter or named as a norm.
+        """Leaf modules (no children) of a class defined outside torch, named as a norm or whose forward's source
+        calls `rsqrt` (every RMS normalisation `derive` accepts does).
 
-        torch's own modules (`nn.LayerNorm`, `nn.RMSNorm`) have no source to rewrite; a rotary embedding (buffers
-        only) is not worth a trace. A weightless norm not named as one is missed: that costs a fusion, not numbers.
+        torch's own modules (`nn.LayerNorm`, `nn.RMSNorm`) have no source to rewrite. Positional embeddings,
+        experts and routers are leaf modules with parameters too, and tracing them costs build time and reports
+        trace stops that concern no fusion. A norm neither named as one nor spelled with `rsqrt` is missed: that
+        costs a fusion, not numbers.
         """
         cls = type(module)
         if cls.__module__.startswith("torch.") or next(module.children(), None) is not None:
             return False
-        return next(module.parameters(recurse=False), None) is not None or reported(cls)
+        return reported(cls) or "rsqrt" in _forward_source(cls)
 
     def match(self, trace: Trace, module: nn.Module) -> list[FusionPlan]:
         """The derived plan; for a class named as a norm that the derivation refuses, a plan carrying the refusal
@@ -635,6 +638,14 @@ def _subclasses(cls: type) -> list[type]:
     for sub in cls.__subclasses__():
         found += [sub, *_subclasses(sub)]
     return found
+
+
+def _forward_source(cls: type) -> str:
+    """The source of `cls.forward`, or "" where there is none to read."""
+    try:
+        return inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return ""
 
 
 def reported(cls: type) -> bool:
