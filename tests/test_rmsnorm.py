@@ -293,8 +293,8 @@ def test_generated_fused_norms_change_no_bit_of_the_model(model_type, dtype):
 
     import transformers
 
-    from tests.conftest import random_model, tiny_config
     from fusegen.compiler.validate import map_state
+    from tests.conftest import random_model, tiny_config
 
     module_name, config_name, causal_lm, norm_name, overrides = GENERATED[model_type]
     fused_module = importlib.import_module(module_name)
@@ -338,9 +338,9 @@ def test_generated_llama_equals_the_original_bitwise_in_float32():
     """
     import transformers
 
+    from fusegen.compiler.validate import map_state
     from generated.fused_llama import STACKED_PARAMS_MAPPING, FusedLlamaForCausalLM
     from tests.conftest import random_model, tiny_config
-    from fusegen.compiler.validate import map_state
 
     config = tiny_config(transformers.LlamaConfig, num_key_value_heads=2)
     original = random_model(transformers.LlamaForCausalLM, config)
