@@ -340,9 +340,9 @@ def test_generated_llama_equals_the_original_bitwise_in_float32():
     import transformers
 
     from fusegen.compiler.validate import map_state
-    from generated.fused_llama import STACKED_PARAMS_MAPPING, FusedLlamaForCausalLM
     from fusegen.testkit import random_model
     from fusegen.testkit import small_config as tiny_config
+    from generated.fused_llama import STACKED_PARAMS_MAPPING, FusedLlamaForCausalLM
 
     config = tiny_config(transformers.LlamaConfig, num_key_value_heads=2)
     original = random_model(transformers.LlamaForCausalLM, config)
