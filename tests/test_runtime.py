@@ -478,8 +478,23 @@ def test_runtime_imports_only_torch_and_transformers():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_copies_of_transformers_code_declare_themselves_library_code():
-    from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """llama and mixtral built against the installed Transformers: the checked-in files are for the pinned one, and
+    this file also runs in CI's second venv (docs/ecosystem.md)."""
+    from fusegen.compiler.build import build
+    from fusegen.tools.convert import import_fused_module
+
+    out = tmp_path_factory.mktemp("built")
+    modules = {}
+    for model_type in ("llama", "mixtral"):
+        (out / f"fused_{model_type}.py").write_text(build(model_type).text)
+        modules[model_type] = import_fused_module(out, model_type)
+    return modules
+
+
+def test_copies_of_transformers_code_declare_themselves_library_code(built):
+    FusedLlamaForCausalLM, FusedLlamaModel = built["llama"].FusedLlamaForCausalLM, built["llama"].FusedLlamaModel
 
     class Mine(FusedLlamaForCausalLM):  # a user's subclass, in a module that is no generated file
         pass
@@ -506,11 +521,14 @@ def test_copy_of_user_code_stays_custom_code(monkeypatch):
     assert FusedXPreTrainedModel.is_custom_code() is True
 
 
-def test_experts_implementation_is_answered_as_for_the_original():
+def test_experts_implementation_is_answered_as_for_the_original(built):
     from transformers import MixtralForCausalLM
 
-    from generated.fused_llama import FusedLlamaForCausalLM
-    from generated.fused_mixtral import FusedMixtralForCausalLM, FusedMixtralModel
+    FusedLlamaForCausalLM = built["llama"].FusedLlamaForCausalLM
+    FusedMixtralForCausalLM, FusedMixtralModel = (
+        built["mixtral"].FusedMixtralForCausalLM,
+        built["mixtral"].FusedMixtralModel,
+    )
 
     # Transformers searches the class's module source for its experts decorator; the generated file lacks it.
     assert (
