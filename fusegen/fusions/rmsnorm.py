@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
 import sys
 import types
@@ -640,8 +641,10 @@ def _subclasses(cls: type) -> list[type]:
     return found
 
 
+@functools.cache
 def _forward_source(cls: type) -> str:
-    """The source of `cls.forward`, or "" where there is none to read."""
+    """The source of `cls.forward`, or "" where there is none to read (read once per class: `candidates` asks for
+    every module instance of a class it has not taken)."""
     try:
         return inspect.getsource(inspect.unwrap(cls.forward))
     except (OSError, TypeError):
