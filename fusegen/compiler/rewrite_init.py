@@ -255,7 +255,3 @@ def _check_inputs_stable(span: list[ast.stmt], assigns: list[ast.Assign], argume
                 raise Refused(
                     "constructor-inputs-change", f"`{ast.unparse(node)}` changes between the constructors", node
                 )
-
-
-def _target(assign: ast.Assign) -> str:
-    return ast.unparse(assign.targets[0]).removeprefix("self.")
