@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import importlib
 import sys
-import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -20,27 +19,10 @@ from fusegen.compiler.plan import FusionPlan, Refused
 from fusegen.fusions.base import Kind
 from fusegen.fusions.linear import LinearKind
 from fusegen.runtime.tp import LOCAL_HEADS, MERGED_COLWISE, fused_plan_from
-from fusegen.testkit import TOLERANCE
+from fusegen.testkit import TOLERANCE, max_diff, random_input, random_model, toy_source
 from fusegen.tools import coverage
 
-TOY = """
-import torch
-from torch import nn
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
-
-
-class ToyConfig(PretrainedConfig):
-    model_type = "toy_scaled"
-
-    def __init__(self, vocab_size=32, hidden_size=16, num_hidden_layers=2, **kwargs):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        kwargs.setdefault("tie_word_embeddings", False)
-        super().__init__(**kwargs)
-
-
+SCALE = """
 class ToyScale(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -48,52 +30,17 @@ class ToyScale(nn.Module):
 
     def forward(self, x):
         return x * self.weight
-
-
-class ToyBlock(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size // 2, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size // 2, bias=False)
-        self.scale = ToyScale(config)
-
-    def forward(self, x):
-        q = self.q_proj(x)
-        k = self.k_proj(x)
-        v = self.v_proj(x)
-        return self.scale(q + torch.cat([k, v], dim=-1))
-
-
-class ToyPreTrainedModel(PreTrainedModel):
-    config_class = ToyConfig
-    base_model_prefix = "model"
-
-
-class ToyModel(ToyPreTrainedModel):
-    def __init__(self, config):
-        super().__init__(config)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([ToyBlock(config) for _ in range(config.num_hidden_layers)])
-        self.post_init()
-
-    def forward(self, input_ids):
-        hidden = self.embed(input_ids)
-        for layer in self.layers:
-            hidden = hidden + layer(hidden)
-        return hidden
-
-
-class ToyForCausalLM(ToyPreTrainedModel, GenerationMixin):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = ToyModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-    def forward(self, input_ids, **kwargs):
-        return CausalLMOutput(logits=self.lm_head(self.model(input_ids)))
 """
+TOY = toy_source(
+    "toy_scaled",
+    init="        self.scale = ToyScale(config)\n",
+    forward=(
+        "        q = self.q_proj(x)\n        k = self.k_proj(x)\n        v = self.v_proj(x)\n"
+        "        return self.scale(q + torch.cat([k, v], dim=-1))\n"
+    ),
+    extra=SCALE,
+)
+"""The test kit's toy causal LM whose q/k/v block ends in `ToyScale`, a module with no linear child."""
 
 
 class SwappedProduct(Kind):
@@ -121,7 +68,7 @@ def toy_kind(tmp_path, monkeypatch):
     package = tmp_path / "toy_scaled_pkg"
     package.mkdir()
     (package / "__init__.py").touch()
-    (package / "modeling.py").write_text(textwrap.dedent(TOY))
+    (package / "modeling.py").write_text(TOY)
     monkeypatch.syspath_prepend(str(tmp_path))
     fusions.register(SwappedProduct)
     yield "toy_scaled_pkg.modeling"
@@ -165,23 +112,20 @@ def test_a_kind_that_merges_no_linears_plugs_in_without_touching_the_compiler(to
     # Only the linear merge has a checkpoint mapping, and the TP plan and scopes know nothing of the other kind.
     assert fused_module.STACKED_PARAMS_MAPPING == {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
     assert fused_module.packed_modules_mapping == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    # (ToyBlock sits in a ModuleList, so qkv_proj gets no scope; ToyScale, built as `self.scale`, would give one.)
-    assert "STACKED_PARAMS_MAPPING, parents={})" in text
-    torch.manual_seed(0)
-    original = original_module.ToyForCausalLM(original_module.ToyConfig()).eval()
-    with torch.no_grad():
-        for parameter in original.parameters():
-            parameter.normal_(std=0.05)
-    fused = fused_module.FusedToyForCausalLM(original_module.ToyConfig()).eval()
+    # qkv_proj's holder is built as `ToyLayer.block`; ToyScale, built as `ToyBlock.scale`, merges nothing to scope.
+    assert 'STACKED_PARAMS_MAPPING, parents={"qkv_proj": ["block"]})' in text
+    config = original_module.ToyConfig()
+    original = random_model(original_module.ToyForCausalLM, config)
+    fused = fused_module.FusedToyForCausalLM(config).eval()
     state = original.state_dict()
     for prefix in {key.rpartition(".q_proj.")[0] for key in state if ".q_proj." in key}:
         pieces = [state.pop(f"{prefix}.{name}.weight") for name in ("q_proj", "k_proj", "v_proj")]
         state[f"{prefix}.qkv_proj.weight"] = torch.cat(pieces)
     fused.load_state_dict(state)
-    input_ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
+    input_ids = random_input(config)
     with torch.no_grad():
-        expected, actual = original(input_ids).logits, fused(input_ids).logits
-    assert torch.allclose(expected, actual, atol=TOLERANCE, rtol=0), (expected - actual).abs().max()
+        difference = max_diff(original(input_ids).logits, fused(input_ids).logits)
+    assert difference <= TOLERANCE, difference
 
 
 def test_a_refusing_kind_leaves_its_class_unfused_with_the_rule(toy_kind, monkeypatch):
