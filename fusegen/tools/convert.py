@@ -59,6 +59,7 @@ from fusegen.runtime.loading import (
     write_safetensors,
 )
 from fusegen.runtime.pretrained import FUSEGEN_KEY, WEIGHTS_KEY
+from fusegen.tools.checkpoint_cli import add_checkpoint_arguments, refuse_existing, staged_directory
 
 # Small non-weight files a server needs next to the weights; copied verbatim.
 COPIED_FILES = (
@@ -111,17 +112,21 @@ def causal_lm_class(module: ModuleType) -> type:
     return getattr(module, names[0])
 
 
-def read_config(checkpoint_dir: str | os.PathLike):
-    """The checkpoint's config via AutoConfig; any failure is the user's input, so it becomes an InputError."""
+def read_config(checkpoint_dir: str | os.PathLike, model_type: str | None = None):
+    """The checkpoint's config via AutoConfig; any failure is the user's input, so it becomes an InputError, and so
+    does a config of another type than `model_type` (when given: the command's `--model`)."""
     from transformers import AutoConfig
 
     if not (Path(checkpoint_dir) / "config.json").is_file():  # else AutoConfig takes the path for a hub repo id
         raise InputError(f"{checkpoint_dir}: no config.json (not a checkpoint directory?)")
     _check_model_type(Path(checkpoint_dir) / "config.json")
     try:
-        return AutoConfig.from_pretrained(checkpoint_dir)
+        config = AutoConfig.from_pretrained(checkpoint_dir)
     except (OSError, ValueError, KeyError) as error:
         raise InputError(f"{checkpoint_dir}: cannot read config.json: {error}") from error
+    if model_type is not None and config.model_type != model_type:
+        raise InputError(f"{checkpoint_dir} holds a {config.model_type!r} model, not {model_type!r}")
+    return config
 
 
 def _check_model_type(path: Path) -> None:
@@ -203,12 +208,6 @@ def _fused_config(source_dir: Path, class_name: str, description: dict) -> dict:
     }
 
 
-def _empty_or_absent(out_dir: Path) -> None:
-    """Refuse to mix a new checkpoint into an existing one: the output must not exist or be an empty directory."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise InputError(f"{out_dir} exists and is not an empty directory; choose a new OUT_DIR")
-
-
 def _write_fused(source: Path, staging: Path, model_class: type, config, max_shard_size, allow_pickle: bool) -> None:
     """Write every file of the fused checkpoint into `staging`."""
     with torch.device("meta"):
@@ -254,24 +253,15 @@ def convert_checkpoint(
     """Convert `src_dir` (canonical layout) into a fused-layout checkpoint at `out_dir`; returns `out_dir`.
 
     Streams one merged tensor at a time (the model is built on `meta` only for its structure), so memory stays near one
-    shard. Everything is written into a staging directory renamed into place at the end: a failed conversion leaves no
-    `out_dir` behind.
+    shard. Everything is written into a staging directory renamed into place at the end
+    (`fusegen.tools.checkpoint_cli.staged_directory`): a failed conversion leaves no `out_dir` behind.
     """
     source, target = Path(src_dir), Path(out_dir)
-    _empty_or_absent(target)
+    refuse_existing(target)
     model_class = causal_lm_class(import_fused_module(generated_dir, model_type))
-    config = read_config(source)
-    if config.model_type != model_type:
-        raise InputError(f"{source} holds a {config.model_type!r} model, not {model_type!r}")
-    staging = target.parent / f".{target.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    config = read_config(source, model_type)
+    with staged_directory(target) as staging:
         _write_fused(source, staging, model_class, config, max_shard_size, allow_pickle)
-        if target.exists():
-            target.rmdir()
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -286,10 +276,7 @@ def _shard_size(text: str) -> int:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `fusegen convert CHECKPOINT_DIR OUT_DIR --model TYPE`."""
     parser = subparsers.add_parser("convert", help="write a fused-layout copy of a checkpoint for serving")
-    parser.add_argument("checkpoint_dir", type=Path, metavar="CHECKPOINT_DIR")
-    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR")
-    parser.add_argument("--model", required=True, metavar="TYPE", help="model type, e.g. llama")
-    parser.add_argument("--generated-dir", type=Path, default=Path("generated"), metavar="DIR")
+    add_checkpoint_arguments(parser, output=True)
     parser.add_argument("--max-shard-size", type=_shard_size, default="5GB", metavar="SIZE", help="e.g. 5GB, 500MB")
     parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin (weights_only load)")
     return parser

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from fusegen.errors import EXIT_OK, InputError, command
 from fusegen.runtime.auto import CONFIG_NAME, canonical_architectures
-from fusegen.tools.convert import _empty_or_absent, causal_lm_class, import_fused_module, read_config
+from fusegen.tools.checkpoint_cli import add_checkpoint_arguments, refuse_existing, staged_directory
+from fusegen.tools.convert import causal_lm_class, import_fused_module, read_config
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
@@ -31,12 +32,10 @@ def export(
 ) -> Path:
     """Write the remote-code checkpoint directory `out_dir` from the canonical checkpoint `src_dir`; returns it."""
     source, target = Path(src_dir), Path(out_dir)
-    _empty_or_absent(target)
+    refuse_existing(target)
     module = import_fused_module(generated_dir, model_type)
     fused_class = causal_lm_class(module)
-    config = read_config(source)
-    if config.model_type != model_type:
-        raise InputError(f"{source} holds a {config.model_type!r} model, not {model_type!r}")
+    read_config(source, model_type)
     if not any((source / name).is_file() for name in WEIGHTS):
         raise InputError(f"{source}: no {' or '.join(WEIGHTS)} (export copies canonical safetensors weights)")
     code_name = Path(module.__file__).name
@@ -45,30 +44,19 @@ def export(
         fused_class.__name__.removeprefix("Fused")
     ]
     document["auto_map"] = {"AutoModelForCausalLM": f"{Path(code_name).stem}.{fused_class.__name__}"}
-    staging = target.parent / f".{target.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        staging.mkdir(parents=True)
+    with staged_directory(target) as staging:
         for path in sorted(source.iterdir()):
             if path.is_file() and path.name not in (CONFIG_NAME, code_name):
                 shutil.copy2(path, staging / path.name)
         shutil.copy2(module.__file__, staging / code_name)
         (staging / CONFIG_NAME).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if target.exists():
-            target.rmdir()
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `fusegen export CHECKPOINT_DIR OUT_DIR --model TYPE`."""
     parser = subparsers.add_parser("export", help="write a checkpoint that loads as the fused class (remote code)")
-    parser.add_argument("checkpoint_dir", type=Path, metavar="CHECKPOINT_DIR")
-    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR")
-    parser.add_argument("--model", required=True, metavar="TYPE", help="model type, e.g. llama")
-    parser.add_argument("--generated-dir", type=Path, default=Path("generated"), metavar="DIR")
+    add_checkpoint_arguments(parser, output=True)
     return parser
 
 

@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from fusegen.errors import EXIT_DRIFT, EXIT_OK, InputError, command
 from fusegen.runtime.loading import FUSED, LAYOUT_KEY, load_checkpoint, open_checkpoint
 from fusegen.testkit import TOLERANCE
+from fusegen.tools.checkpoint_cli import add_checkpoint_arguments
 from fusegen.tools.convert import causal_lm_class, import_fused_module, read_config
 
 EXIT_MISMATCH = EXIT_DRIFT
@@ -113,8 +114,7 @@ def load_pair(checkpoint_dir: Path, generated_dir: Path, dtype: torch.dtype):
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `fusegen verify CHECKPOINT_DIR [--generated-dir DIR] [--prompts N] [--dtype fp32|bf16]`."""
     parser = subparsers.add_parser("verify", help="compare the fused and original models on a checkpoint")
-    parser.add_argument("checkpoint_dir", type=Path, metavar="CHECKPOINT_DIR")
-    parser.add_argument("--generated-dir", type=Path, default=Path("generated"), metavar="DIR")
+    add_checkpoint_arguments(parser, output=False)
     parser.add_argument("--prompts", type=_positive, default=4, metavar="N", help="random prompts (default 4)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--prompt-length", type=_positive, default=16, metavar="T")
