@@ -26,9 +26,6 @@ from .version import StaleGeneratedFile, check_source
 # PEFT learns about merged linears when it is imported (now, or later); importing this package never imports PEFT.
 _peft.arm()
 
-# What the `load_weights` method of files generated before `FusedPreTrainedMixin` calls (kept for those files).
-stream_weights = load_weights
-
 # Tensor parallelism (`.tp`) is imported on first use, e.g. when a generated model is built: importing a generated
 # file must load only the modules above.
 _TP_EXPORTS = (
@@ -74,5 +71,4 @@ __all__ = [
     "register_stacked_checkpoint",
     "save_checkpoint",
     "save_pretrained_canonically",
-    "stream_weights",
 ]
