@@ -13,15 +13,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-
-def timed(fn, reps: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
+from harness import timed  # bench/harness.py
 
 
 def variants(x, qkv: list, gate_up: list, sizes: list[int]) -> dict:

@@ -129,6 +129,15 @@ def median(values):
     return statistics.median(values) if values else float("nan")
 
 
+def timed(fn, reps: int) -> float:
+    """Seconds per call of `fn` over `reps` calls, after one warm-up call (the micro-benchmarks' clock)."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
 def quiet_transformers() -> None:
     import transformers
 

@@ -15,8 +15,9 @@ bit-identical to the original's, the prefill logits too.
 from __future__ import annotations
 
 import argparse
-import time
 import types
+
+from harness import timed  # bench/harness.py
 
 STYLES = {
     "llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
@@ -24,14 +25,6 @@ STYLES = {
     "gemma3": ("transformers.models.gemma3.modeling_gemma3", "Gemma3RMSNorm"),
 }
 SHAPES = ((1, 2048), (512, 2048), (512, 16, 128))
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
 
 
 def rewritten_forward(cls):
