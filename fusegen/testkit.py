@@ -30,6 +30,8 @@ __all__ = [
     "SEED",
     "SMALL",
     "TOLERANCE",
+    "TOY_HELPERS",
+    "TOY_NARROW_LOOP",
     "load_fused",
     "load_pair",
     "max_diff",
@@ -223,6 +225,71 @@ def toy_source(model_type: str, init: str, forward: str, extra: str = "", layer:
     source = source.replace("{extra}", extra.rstrip("\n")).replace("{layer}", layer.rstrip("\n"))
     return source.replace("{forward}", forward.rstrip("\n"))
 
+
+TOY_HELPERS = '''
+CACHE = []
+
+
+class Box:
+    """A user object holding a tensor: its `view` writes what it holds."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def view(self):
+        self.t.mul_(2)
+        return self.t
+
+
+class Keeper(nn.Module):
+    """A user module that keeps a reference to what it is handed."""
+
+    def forward(self, t):
+        self.kept = t
+        return t
+
+
+def poke():
+    sys._getframe(1).f_locals["x"].mul_(2)
+
+
+def poke_inspect():
+    inspect.currentframe().f_back.f_locals["x"].add_(1)
+
+
+def poke_at(depth):
+    sys._getframe(depth).f_locals["x"].mul_(2)
+
+
+def outer_helper():
+    poke_at(2)
+
+
+def harmless_helper():
+    return 1
+
+
+class Scaled(nn.Linear):
+    def forward(self, t):
+        return super().forward(t) * 2
+
+
+class PlainSubclass(nn.Linear):
+    pass
+
+
+class Double(nn.Module):
+    def forward(self, w):
+        return w * 2
+'''
+"""Module-level helpers the hazard tests and the fuzzer pass to `toy_source` as `extra`: user objects and modules that
+write or keep what they are handed (`Box`, `Keeper`), frame pokes, `nn.Linear` subclasses, a parametrization."""
+
+TOY_NARROW_LOOP = (
+    "        for module in self.modules():\n            if type(module) is nn.Linear and module.out_features == 8:\n"
+)
+"""`ToyLayer.__init__` lines (for `toy_source`'s `layer`) that visit the block's k and v projections, the linears
+with 8 outputs, for the line after them to hook, subclass or parametrize."""
 
 TOY_MODULE = """
 import inspect

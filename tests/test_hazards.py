@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fusegen.compiler.build import analyse, build
-from fusegen.testkit import toy_source
+from fusegen.testkit import TOY_HELPERS, TOY_NARROW_LOOP, toy_source
 
 QKV = "        q = self.q_proj(x)\n        k = self.k_proj(x)\n        v = self.v_proj(x)\n"
 RETURN = "        return q + torch.cat([k, v], dim=-1)\n"
@@ -315,66 +315,6 @@ def between(*lines, before=(), after=(), ret=RETURN):
     )
 
 
-HELPERS = '''
-CACHE = []
-
-
-class Box:
-    """A user object holding a tensor: its `view` writes what it holds."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def view(self):
-        self.t.mul_(2)
-        return self.t
-
-
-class Keeper(nn.Module):
-    """A user module that keeps a reference to what it is handed."""
-
-    def forward(self, t):
-        self.kept = t
-        return t
-
-
-def poke():
-    sys._getframe(1).f_locals["x"].mul_(2)
-
-
-def poke_inspect():
-    inspect.currentframe().f_back.f_locals["x"].add_(1)
-
-
-def poke_at(depth):
-    sys._getframe(depth).f_locals["x"].mul_(2)
-
-
-def outer_helper():
-    poke_at(2)
-
-
-def harmless_helper():
-    return 1
-
-
-class Scaled(nn.Linear):
-    def forward(self, t):
-        return super().forward(t) * 2
-
-
-class PlainSubclass(nn.Linear):
-    pass
-
-
-class Double(nn.Module):
-    def forward(self, w):
-        return w * 2
-'''
-NARROW_LOOP = (
-    "        for module in self.modules():\n            if type(module) is nn.Linear and module.out_features == 8:\n"
-)
-
 # name: (extra __init__ lines, forward body, expected rule, module-level lines, ToyLayer.__init__ lines)
 FAMILY_HAZARDS = {
     # a callee that is not a statically resolvable name or dotted attribute, or is bound to the input
@@ -480,7 +420,7 @@ FAMILY_HAZARDS = {
         QKV + RETURN,
         "projection-hook",
         "",
-        NARROW_LOOP + "                module.register_forward_hook(lambda m, i, o: o * 2)",
+        TOY_NARROW_LOOP + "                module.register_forward_hook(lambda m, i, o: o * 2)",
     ),
     "hook_backward": (
         "",
@@ -543,7 +483,7 @@ FAMILY_HAZARDS = {
         QKV + RETURN,
         "parametrized-projection",
         "",
-        NARROW_LOOP
+        TOY_NARROW_LOOP
         + "                torch.nn.utils.parametrize.register_parametrization(module, 'weight', Double())",
     ),
     "dtype_mismatch": ("", QKV + RETURN, "dtype-mismatch", "", "        self.block.k_proj.to(torch.float64)"),
@@ -645,7 +585,7 @@ def assert_refused_with(block, rule):
 @pytest.mark.parametrize("name", sorted(ALL_HAZARDS))
 def test_hazard_is_refused_with_its_rule(case_path, name):
     init, forward, rule, extra, layer = ALL_HAZARDS[name]
-    block = outcome(write_case(case_path, name, init, forward, HELPERS + "\n" + extra, layer))
+    block = outcome(write_case(case_path, name, init, forward, TOY_HELPERS + "\n" + extra, layer))
     refusal = assert_refused_with(block, rule)
     if rule not in PROJECTION_RULES:
         assert refusal.line, f"the {rule!r} refusal names no source line: {refusal.describe()}"
@@ -659,7 +599,7 @@ PROJECTION_RULES = {"projection-hook", "global-hook", "linear-subclass", "parame
 @pytest.mark.parametrize("name", sorted(ALL_SAFE))
 def test_safe_case_is_fused_and_computes_the_same(case_path, tmp_path, name):
     init, forward, extra, layer = ALL_SAFE[name]
-    dotted = write_case(case_path, name, init, forward, HELPERS + "\n" + extra, layer)
+    dotted = write_case(case_path, name, init, forward, TOY_HELPERS + "\n" + extra, layer)
     block = outcome(dotted)
     assert ("q_proj", "k_proj", "v_proj") in [plan.projections for plan in block.fused], block.refused
     assert not block.refused, block.refused
@@ -697,7 +637,7 @@ def test_pieces_on_different_devices_are_refused():
 def test_a_subclassed_piece_leaves_its_plain_siblings_fused(case_path):
     # q is subclassed; k and v still merge. (With k subclassed, q + v is refused: `self.k_proj(x)` runs between them.)
     init, forward, _rule, _extra, layer = FAMILY_HAZARDS["subclass_without_forward"]
-    block = outcome(write_case(case_path, "subclass_siblings", init, forward, HELPERS, layer))
+    block = outcome(write_case(case_path, "subclass_siblings", init, forward, TOY_HELPERS, layer))
     assert [plan.projections for plan in block.fused] == [("k_proj", "v_proj")], block
     assert [refusal.rule for refusal in block.refused] == ["linear-subclass"], block.refused
 
@@ -777,7 +717,7 @@ def test_conditional_sibling_merges_only_where_it_is_built(case_path):
     """`a_proj` exists only when `flag`: where it does, a + b are one merged linear; where it does not, `b_proj`
     stays a plain linear under its own name (the SAFE case `conditional_sibling` runs both for equivalence)."""
     init, forward = SAFE["conditional_sibling"]
-    dotted = write_case(case_path, "conditional_plan", init, forward, HELPERS)
+    dotted = write_case(case_path, "conditional_plan", init, forward, TOY_HELPERS)
     block = outcome(dotted)
     assert ("merged_column", "ab_proj", ("b_proj",)) in [(p.kind, p.merged, p.kept) for p in block.fused]
     (case_path / "hazard_cases" / "fused_conditional_plan.py").write_text(build(dotted, validate=False).text)

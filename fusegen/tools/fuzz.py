@@ -31,7 +31,7 @@ import transformers
 
 from fusegen.compiler.build import build
 from fusegen.errors import EXIT_DRIFT, EXIT_OK
-from fusegen.testkit import TOLERANCE, randomise, toy_source
+from fusegen.testkit import TOLERANCE, TOY_HELPERS, TOY_NARROW_LOOP, randomise, toy_source
 
 CALLS = ("q = self.q_proj(x)", "k = self.k_proj(x)", "v = self.v_proj(x)")
 PRELUDE = (
@@ -45,34 +45,6 @@ RETURN = (
 INIT = (
     "        self.act = nn.Tanh()\n        self.register_buffer('saved', torch.zeros(16))\n"
     "        self.register_buffer('state', torch.ones(2, 5, 16))\n"
-)
-EXTRA = '''
-class Box:
-    """A user object holding a tensor: its `view` writes what it holds."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def view(self):
-        self.t.mul_(2)
-        return self.t
-
-
-def poke():
-    sys._getframe(1).f_locals["x"].mul_(2)
-
-
-class Scaled(nn.Linear):
-    def forward(self, t):
-        return super().forward(t) * 2
-
-
-class Double(nn.Module):
-    def forward(self, w):
-        return w * 2
-'''
-_NARROW = (
-    "        for module in self.modules():\n            if type(module) is nn.Linear and module.out_features == 8:\n"
 )
 
 FAMILIES = {
@@ -98,8 +70,8 @@ FAMILIES = {
 
 SETUPS = {
     "none": ("", ""),
-    "forward_hook": ("", _NARROW + "                module.register_forward_hook(lambda m, i, o: o * 2)"),
-    "pre_hook": ("", _NARROW + "                module.register_forward_pre_hook(lambda m, i: (i[0] * 2,))"),
+    "forward_hook": ("", TOY_NARROW_LOOP + "                module.register_forward_hook(lambda m, i, o: o * 2)"),
+    "pre_hook": ("", TOY_NARROW_LOOP + "                module.register_forward_pre_hook(lambda m, i: (i[0] * 2,))"),
     "unrelated_hook": ("", "        self.block.act.register_forward_hook(lambda m, i, o: o * 2)"),
     "global_hook": (
         (
@@ -109,11 +81,12 @@ SETUPS = {
         "",
     ),
     "subclass": ("", "        self.block.k_proj = Scaled(16, 8, bias=False)"),
-    "class_swap": ("", _NARROW + "                module.__class__ = Scaled"),
+    "class_swap": ("", TOY_NARROW_LOOP + "                module.__class__ = Scaled"),
     "block_state_input": ("", "        self.block.register_forward_pre_hook(lambda m, args: (m.state,))"),
     "parametrized": (
         "",
-        _NARROW + "                torch.nn.utils.parametrize.register_parametrization(module, 'weight', Double())",
+        TOY_NARROW_LOOP
+        + "                torch.nn.utils.parametrize.register_parametrization(module, 'weight', Double())",
     ),
 }
 """Module-level and `ToyLayer.__init__` lines: hooks, a subclassed or parametrized projection."""
@@ -213,7 +186,9 @@ class Harness:
         self.counter += 1
         name = f"case_{self.counter}"
         (self.root / f"{name}.py").write_text(
-            toy_source(name, case.init, case.forward(), EXTRA + "\n" + SETUPS[case.setup][0], SETUPS[case.setup][1])
+            toy_source(
+                name, case.init, case.forward(), TOY_HELPERS + "\n" + SETUPS[case.setup][0], SETUPS[case.setup][1]
+            )
         )
         try:
             return self._check(name)
