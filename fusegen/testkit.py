@@ -16,6 +16,8 @@ the other way round, and nobody would know which figure to believe.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -32,6 +34,7 @@ __all__ = [
     "TOLERANCE",
     "TOY_HELPERS",
     "TOY_NARROW_LOOP",
+    "import_file",
     "load_fused",
     "load_pair",
     "max_diff",
@@ -210,6 +213,19 @@ def load_pair(path: Path, **kwargs):
 def max_diff(expected: torch.Tensor, actual: torch.Tensor) -> float:
     """Max |expected - actual| as a float (what every equivalence assertion holds to `TOLERANCE`)."""
     return (expected.float() - actual.float()).abs().max().item()
+
+
+def import_file(path: Path, name: str):
+    """The Python file `path` (a generated file built into a temporary directory, say) executed as module `name`.
+
+    Registered in `sys.modules` before it runs, as an import does: dataclasses and the runtime look a class's module
+    up by `__module__` (`load_checkpoint` finds `STACKED_PARAMS_MAPPING` through it). The caller removes it if it must.
+    """
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 # --- toy models ------------------------------------------------------------------------------------------------------

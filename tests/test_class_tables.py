@@ -58,9 +58,6 @@ def test_fused_copy_is_reached_and_the_fused_model_matches_the_original(model_ty
 def test_an_entry_the_model_never_builds_refuses_to_be_built_and_says_why(tmp_path, monkeypatch):
     # GPTNeoFlashAttention2 inherits q/k/v from the fused class but was never analysed nor validated: selecting it
     # (flash attention, on a GPU) raises a ValueError naming it, never a bare KeyError or a silent unfused copy.
-    import importlib.util
-    import sys
-
     from fusegen.compiler.resolve import resolve
     from fusegen.compiler.shrink import tiny_config
 
@@ -68,11 +65,7 @@ def test_an_entry_the_model_never_builds_refuses_to_be_built_and_says_why(tmp_pa
     table = text.split("FUSED_GPT_NEO_ATTENTION_CLASSES = ")[1].split("}")[0]
     assert '"flash_attention_2": GPTNeoFlashAttention2NotFused' in table
     assert '"eager": FusedGPTNeoSelfAttention' in table
-    (tmp_path / "fused_gpt_neo.py").write_text(text)
-    spec = importlib.util.spec_from_file_location("class_tables_fused_gpt_neo", tmp_path / "fused_gpt_neo.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = import_text(tmp_path, monkeypatch, "gpt_neo", text)
     config = tiny_config(resolve("gpt_neo").config_class)
     module.FusedGPTNeoForCausalLM(config)  # eager: builds
     # What from_pretrained sets where flash-attn is installed (here Transformers would refuse it before building).

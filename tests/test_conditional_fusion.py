@@ -33,10 +33,9 @@ from transformers import (
 
 from fusegen.compiler.build import build
 from fusegen.runtime import CheckpointError, MergedColumnLinear, load_checkpoint, save_checkpoint
-from fusegen.testkit import GRAD_TOLERANCE, TOLERANCE, random_model
+from fusegen.testkit import GRAD_TOLERANCE, TOLERANCE, import_file, random_model
 from fusegen.testkit import small_config as tiny_config
 from generated import fused_deepseek_v3, fused_gemma4_text
-from tests.test_strict_loading import import_file
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 MLA = {

@@ -9,19 +9,10 @@ import torch
 import generated
 from fusegen.compiler.resolve import resolve
 from fusegen.compiler.validate import construction_variants
-from fusegen.testkit import TOLERANCE, max_diff, random_input, random_model, tiny_config
+from fusegen.testkit import TOLERANCE, max_diff, random_input, random_model, small_config, tiny_config
 
 pytestmark = pytest.mark.slow  # every checked-in model type under every construction variant
 
-BASE = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-}
 CONFIGS = {
     "mistral": {},
     "qwen3": {"head_dim": 16},  # q/k norms after the projections
@@ -51,7 +42,7 @@ CONFIGS = {
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_fused_model_matches_original(model_type, tmp_path):
     target = resolve(model_type)
-    config = target.config_class(**{**BASE, **CONFIGS[model_type]})
+    config = small_config(target.config_class, num_key_value_heads=2, **CONFIGS[model_type])
     original = random_model(target.causal_lm, config)
     original.save_pretrained(tmp_path / "original")
     module = importlib.import_module(f"generated.fused_{model_type}")

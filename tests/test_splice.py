@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import sys
 import textwrap
 
@@ -11,6 +10,7 @@ import pytest
 
 from fusegen.compiler.render import format_source
 from fusegen.compiler.splice import class_text, original_text
+from fusegen.testkit import import_file
 
 SOURCE = '''\
 import torch
@@ -51,12 +51,9 @@ class Block(nn.Module):
 def module(tmp_path):
     path = tmp_path / "splice_sample.py"
     path.write_text(SOURCE)
-    spec = importlib.util.spec_from_file_location(f"splice_sample_{id(tmp_path)}", path)
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = loaded
-    spec.loader.exec_module(loaded)
+    loaded = import_file(path, f"splice_sample_{id(tmp_path)}")
     yield loaded
-    del sys.modules[spec.name]
+    del sys.modules[loaded.__name__]
 
 
 def original(module) -> ast.ClassDef:
@@ -120,9 +117,7 @@ def test_a_change_inside_an_elif_branch_keeps_the_chain(module):
 def test_a_statement_sharing_its_line_is_replaced_with_its_parent(module, tmp_path):
     path = tmp_path / "one_line.py"
     path.write_text("class Block:\n    def f(self, x):\n        if x: return 1  # why\n        return 2\n")
-    spec = importlib.util.spec_from_file_location("splice_one_line", path)
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
+    loaded = import_file(path, "splice_one_line")
     classdef = ast.parse(path.read_text()).body[0]
     classdef.body[0].body[0].body = ast.parse("return 3").body
     text = class_text("Block", classdef, loaded)

@@ -7,8 +7,6 @@ checkpoint cannot fill a merged parameter a `CheckpointError` naming the tensor 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,7 @@ from transformers.utils.loading_report import LoadStateDictInfo
 
 from fusegen.compiler.build import build
 from fusegen.runtime import CheckpointError, check_loading, load_checkpoint
-from fusegen.testkit import TOLERANCE, random_model, small_config
+from fusegen.testkit import TOLERANCE, import_file, random_model, small_config
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
 from generated.fused_qwen3_moe import FusedQwen3MoeForCausalLM
 
@@ -47,14 +45,6 @@ DEEPSEEK_V2 = {
     "topk_group": 1,
 }
 QWEN2_MOE = {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 48}
-
-
-def import_file(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

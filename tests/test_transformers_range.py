@@ -7,7 +7,6 @@ whose modeling source differs they must refuse to import, naming both versions a
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import warnings
@@ -26,7 +25,7 @@ from fusegen.runtime.version import (
     check_source,
     source_sha256,
 )
-from fusegen.testkit import MODELS, TOLERANCE, original_classes, random_model, small_config
+from fusegen.testkit import MODELS, TOLERANCE, import_file, original_classes, random_model, small_config
 
 pytestmark = pytest.mark.slow  # builds under the installed Transformers and imports in fresh processes
 
@@ -37,12 +36,7 @@ def _built_module(model_type: str, directory: Path):
     """`fusegen build MODEL` under the installed Transformers, imported from `directory`."""
     path = directory / f"fused_{model_type}.py"
     path.write_text(build(model_type).text)
-    name = f"fusegen_range_fused_{model_type}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_file(path, f"fusegen_range_fused_{model_type}")
 
 
 @pytest.mark.parametrize("model_type", sorted(MODELS))
