@@ -70,6 +70,16 @@ def assert_untouched(model, before):
     assert all(torch.equal(before[name], after[name]) for name in before), "model was modified by a failed load"
 
 
+def refused(fused, path, match=None, **kwargs) -> CheckpointError:
+    """`load_checkpoint(model, path, **kwargs)` of the `fused` fixture's model raises a `CheckpointError` matching
+    `match`, and every tensor of the model keeps its value; returns the error."""
+    model, before = fused
+    with pytest.raises(CheckpointError, match=match) as error:
+        load_checkpoint(model, path, **kwargs)
+    assert_untouched(model, before)
+    return error.value
+
+
 @pytest.fixture
 def fused():
     """A fresh fused model and its snapshot, to check failed loads leave it alone."""
@@ -175,33 +185,24 @@ def test_allowed_roots_admits_symlinked_blobs(tmp_path):
 
 
 def test_missing_tensor(fused, tmp_path):
-    model, before = fused
     state = canonical_state(llama_config())
     del state["model.layers.1.self_attn.k_proj.weight"]
     path = write_single(tmp_path / "ckpt", state)
-    with pytest.raises(CheckpointError) as error:
-        load_checkpoint(model, path)
-    assert error.value.tensor == "model.layers.1.self_attn.k_proj.weight"
-    assert "model.safetensors" in str(error.value) and "k_proj" in str(error.value)
-    assert_untouched(model, before)
+    error = refused(fused, path)
+    assert error.tensor == "model.layers.1.self_attn.k_proj.weight"
+    assert "model.safetensors" in str(error) and "k_proj" in str(error)
 
 
 def test_missing_tensor_is_fatal_even_when_not_strict(fused, tmp_path):
-    model, before = fused
     state = canonical_state(llama_config())
     del state["model.norm.weight"]
-    with pytest.raises(CheckpointError, match="model.norm.weight"):
-        load_checkpoint(model, write_single(tmp_path / "ckpt", state), strict=False)
-    assert_untouched(model, before)
+    refused(fused, write_single(tmp_path / "ckpt", state), strict=False, match="model.norm.weight")
 
 
 def test_unexpected_tensor_strict(fused, tmp_path):
-    model, before = fused
     state = {**canonical_state(llama_config()), "model.extra.weight": torch.zeros(3)}
-    with pytest.raises(CheckpointError, match="unexpected") as error:
-        load_checkpoint(model, write_single(tmp_path / "ckpt", state))
-    assert error.value.tensor == "model.extra.weight" and "model.safetensors" in str(error.value)
-    assert_untouched(model, before)
+    error = refused(fused, write_single(tmp_path / "ckpt", state), match="unexpected")
+    assert error.tensor == "model.extra.weight" and "model.safetensors" in str(error)
 
 
 def test_unexpected_tensors_non_strict_warn_once_listing_all(checkpoint, tmp_path):
@@ -218,39 +219,29 @@ def test_unexpected_tensors_non_strict_warn_once_listing_all(checkpoint, tmp_pat
 
 
 def test_wrong_shape_names_both_shapes(fused, tmp_path):
-    model, before = fused
     state = canonical_state(llama_config())
     state["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(16, 64)
-    with pytest.raises(CheckpointError) as error:
-        load_checkpoint(model, write_single(tmp_path / "ckpt", state))
-    message = str(error.value)
+    error = refused(fused, write_single(tmp_path / "ckpt", state))
+    message = str(error)
     assert "[16, 64]" in message and "[32, 64]" in message and "v_proj" in message and "model.safetensors" in message
-    assert_untouched(model, before)
 
 
 def test_float_checkpoint_cannot_fill_integer_or_vice_versa(fused, tmp_path):
-    model, before = fused
     state = canonical_state(llama_config())
     state["model.norm.weight"] = torch.ones(64, dtype=torch.int32)
-    with pytest.raises(CheckpointError, match="dtype torch.int32"):
-        load_checkpoint(model, write_single(tmp_path / "ckpt", state))
-    assert_untouched(model, before)
+    refused(fused, write_single(tmp_path / "ckpt", state), match="dtype torch.int32")
 
 
 def test_truncated_file_names_the_tensor_cut_off(fused, tmp_path):
-    model, before = fused
     path = write_single(tmp_path / "ckpt", canonical_state(llama_config()))
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[:-100])
-    with pytest.raises(CheckpointError, match="truncated") as error:
-        load_checkpoint(model, path)
-    assert error.value.tensor is not None and "model.safetensors" in str(error.value)
-    assert_untouched(model, before)
+    error = refused(fused, path, match="truncated")
+    assert error.tensor is not None and "model.safetensors" in str(error)
 
 
 @pytest.mark.parametrize("damage", ["empty", "short-header", "garbage-json"])
 def test_corrupt_file(fused, tmp_path, damage):
-    model, before = fused
     path = write_single(tmp_path / "ckpt", canonical_state(llama_config()))
     data = (path / "model.safetensors").read_bytes()
     corrupted = {
@@ -259,51 +250,37 @@ def test_corrupt_file(fused, tmp_path, damage):
         "garbage-json": data[:8] + b"{" * (len(data) - 8),
     }[damage]
     (path / "model.safetensors").write_bytes(corrupted)
-    with pytest.raises(CheckpointError, match="model.safetensors"):
-        load_checkpoint(model, path)
-    assert_untouched(model, before)
+    refused(fused, path, match="model.safetensors")
 
 
 def test_corrupt_shard_among_good_ones_loads_nothing(fused, tmp_path):
-    model, before = fused
     path = write_sharded(tmp_path / "ckpt", canonical_state(llama_config()), shards=3)
     last = path / "model-00003-of-00003.safetensors"
     last.write_bytes(last.read_bytes()[:-8])
-    with pytest.raises(CheckpointError, match="00003"):
-        load_checkpoint(model, path)
-    assert_untouched(model, before)
+    refused(fused, path, match="00003")
 
 
 def test_index_naming_a_missing_shard(fused, tmp_path):
-    model, before = fused
     path = write_sharded(tmp_path / "ckpt", canonical_state(llama_config()), index_overrides={Q: "gone.safetensors"})
-    with pytest.raises(CheckpointError, match="gone.safetensors") as error:
-        load_checkpoint(model, path)
-    assert error.value.tensor == Q and "index.json" in str(error.value)
-    assert_untouched(model, before)
+    error = refused(fused, path, match="gone.safetensors")
+    assert error.tensor == Q and "index.json" in str(error)
 
 
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "sub/../../outside.safetensors", "/etc/passwd", "C:\\x"])
 def test_index_shard_path_escaping_the_directory_is_refused(fused, tmp_path, shard):
-    model, before = fused
     state = canonical_state(llama_config())
     write_single(tmp_path, {Q: state[Q]}, name="outside.safetensors")
     path = write_sharded(tmp_path / "ckpt", state, index_overrides={Q: shard})
-    with pytest.raises(CheckpointError, match="escapes the checkpoint directory") as error:
-        load_checkpoint(model, path)
-    assert error.value.tensor == Q
-    assert_untouched(model, before)
+    error = refused(fused, path, match="escapes the checkpoint directory")
+    assert error.tensor == Q
 
 
 def test_index_shard_symlink_pointing_outside_is_refused(fused, tmp_path):
-    model, before = fused
     path = write_sharded(tmp_path / "ckpt", canonical_state(llama_config()))
     shard = path / "model-00002-of-00002.safetensors"
     os.replace(shard, tmp_path / "elsewhere.safetensors")
     shard.symlink_to(tmp_path / "elsewhere.safetensors")
-    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
-        load_checkpoint(model, path)
-    assert_untouched(model, before)
+    refused(fused, path, match="outside the checkpoint directory")
 
 
 def test_symlink_inside_the_directory_is_fine(tmp_path):
@@ -316,52 +293,40 @@ def test_symlink_inside_the_directory_is_fine(tmp_path):
 
 
 def test_same_tensor_in_two_shards(fused, tmp_path):
-    model, before = fused
     state = canonical_state(llama_config())
     path = write_sharded(tmp_path / "ckpt", state)
     save_file({Q: state[Q]}, str(path / "extra.safetensors"), metadata={"format": "pt"})
     index = json.loads((path / "model.safetensors.index.json").read_text())
     index["weight_map"]["model.extra"] = "extra.safetensors"  # makes the index open extra.safetensors too
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="two shards") as error:
-        load_checkpoint(model, path)
-    assert error.value.tensor == Q
-    assert_untouched(model, before)
+    error = refused(fused, path, match="two shards")
+    assert error.tensor == Q
 
 
 def test_index_listing_a_tensor_twice(fused, tmp_path):
-    model, before = fused
     path = write_sharded(tmp_path / "ckpt", canonical_state(llama_config()))
     index_file = path / "model.safetensors.index.json"
     text = index_file.read_text().replace(
         '"weight_map": {', f'"weight_map": {{"{Q}": "model-00002-of-00002.safetensors", ', 1
     )
     index_file.write_text(text)
-    with pytest.raises(CheckpointError, match="listed twice") as error:
-        load_checkpoint(model, path)
-    assert error.value.tensor == Q
-    assert_untouched(model, before)
+    error = refused(fused, path, match="listed twice")
+    assert error.tensor == Q
 
 
 def test_index_disagreeing_with_the_shard_headers(fused, tmp_path):
-    model, before = fused
     state = canonical_state(llama_config())
     path = write_sharded(tmp_path / "ckpt", state)
     with safe_open(path / "model-00001-of-00002.safetensors", "pt") as handle:
         first = next(iter(handle.keys()))
     write_sharded(path, state, index_overrides={first: "model-00002-of-00002.safetensors"})
-    with pytest.raises(CheckpointError, match="does not hold it"):
-        load_checkpoint(model, path)
-    assert_untouched(model, before)
+    refused(fused, path, match="does not hold it")
 
 
 def test_unreadable_index(fused, tmp_path):
-    model, before = fused
     path = write_sharded(tmp_path / "ckpt", canonical_state(llama_config()))
     (path / "model.safetensors.index.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="unreadable index"):
-        load_checkpoint(model, path)
-    assert_untouched(model, before)
+    refused(fused, path, match="unreadable index")
 
 
 def test_pickle_only_checkpoint_is_refused_unless_allowed(tmp_path):
@@ -398,62 +363,47 @@ def test_safetensors_preferred_over_pickle(tmp_path):
 
 
 def test_empty_directory(fused, tmp_path):
-    model, before = fused
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="no weights") as error:
-        load_checkpoint(model, tmp_path / "empty")
-    assert "empty" in str(error.value)
-    assert_untouched(model, before)
+    error = refused(fused, tmp_path / "empty", match="no weights")
+    assert "empty" in str(error)
 
 
 def test_not_a_directory(fused, tmp_path):
-    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
-        load_checkpoint(fused[0], tmp_path / "nope")
+    refused(fused, tmp_path / "nope", match="not a checkpoint directory")
 
 
 def test_single_file_and_index_together_are_ambiguous(fused, tmp_path):
     state = canonical_state(llama_config())
     path = write_sharded(tmp_path / "ckpt", state)
     write_single(path, state)
-    with pytest.raises(CheckpointError, match="stale"):
-        load_checkpoint(fused[0], path)
+    refused(fused, path, match="stale")
 
 
 def test_canonical_and_fused_files_together_are_ambiguous(fused, tmp_path):
     state = canonical_state(llama_config())
     path = write_single(tmp_path / "ckpt", state)
     write_single(path, state, name="fused.safetensors", metadata=FUSED_METADATA)
-    with pytest.raises(CheckpointError, match="ambiguous"):
-        load_checkpoint(fused[0], path)
+    refused(fused, path, match="ambiguous")
 
 
 def test_mixed_layouts_across_shards(fused, tmp_path):
-    model, before = fused
     path = write_sharded(tmp_path / "ckpt", canonical_state(llama_config()))
     second = path / "model-00002-of-00002.safetensors"
     save_file(load_file(second), str(second), metadata=FUSED_METADATA)
-    with pytest.raises(CheckpointError, match="mixed shards"):
-        load_checkpoint(model, path)
-    assert_untouched(model, before)
+    refused(fused, path, match="mixed shards")
 
 
 def test_fused_checkpoint_with_another_row_order_is_refused(fused, tmp_path):
-    model, before = fused
     source = random_model(FusedLlamaForCausalLM, llama_config())
     swapped = {**STACKED_PARAMS_MAPPING, "qkv_proj": [("k_proj", "k"), ("q_proj", "q"), ("v_proj", "v")]}
     metadata = {**FUSED_METADATA, STACKED_KEY: json.dumps(swapped)}
     path = write_single(tmp_path / "ckpt", dict(source.state_dict()), metadata=metadata, name="fused.safetensors")
-    with pytest.raises(CheckpointError, match="merged rows"):
-        load_checkpoint(model, path)
-    assert_untouched(model, before)
+    refused(fused, path, match="merged rows")
 
 
 def test_canonical_names_in_a_fused_checkpoint_are_reported_as_a_layout_mix_up(fused, tmp_path):
-    model, before = fused
     path = write_single(tmp_path / "ckpt", canonical_state(llama_config()), metadata=FUSED_METADATA)
-    with pytest.raises(CheckpointError, match="wrong layout or model"):
-        load_checkpoint(model, path)
-    assert_untouched(model, before)
+    refused(fused, path, match="wrong layout or model")
 
 
 def test_file_cut_after_validation_is_reported_not_ignored(tmp_path):
