@@ -31,6 +31,7 @@ __all__ = [
     "MODELS",
     "SEED",
     "SMALL",
+    "SMALL_MLA",
     "TOLERANCE",
     "TOY_HELPERS",
     "TOY_NARROW_LOOP",
@@ -66,6 +67,20 @@ SMALL = {
     "max_position_embeddings": 128,
 }
 """`small_config`'s sizes: 2 layers, hidden 64, 4 heads, vocab 128 (the kv-head count is left to each test)."""
+
+SMALL_MLA = {
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_group": 1,
+    "topk_group": 1,
+}
+"""`small_config` overrides for DeepSeek V2/V3 (latent attention, routed experts): small latent ranks and head dims,
+4 experts in one group; `q_lora_rank`, `first_k_dense_replace` and the kv-head count are left to each test."""
 
 
 # --- models and configs ----------------------------------------------------------------------------------------------

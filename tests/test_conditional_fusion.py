@@ -33,23 +33,12 @@ from transformers import (
 
 from fusegen.compiler.build import build
 from fusegen.runtime import CheckpointError, MergedColumnLinear, load_checkpoint, save_checkpoint
-from fusegen.testkit import GRAD_TOLERANCE, TOLERANCE, import_file, random_model
+from fusegen.testkit import GRAD_TOLERANCE, SMALL_MLA, TOLERANCE, import_file, random_model
 from fusegen.testkit import small_config as tiny_config
 from generated import fused_deepseek_v3, fused_gemma4_text
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-MLA = {
-    "num_key_value_heads": 4,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "kv_lora_rank": 16,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    "n_group": 1,
-    "topk_group": 1,
-}
+MLA = {"num_key_value_heads": 4, **SMALL_MLA}
 WHISPER = {
     "vocab_size": 128,
     "d_model": 64,

@@ -9,7 +9,7 @@ import torch
 import generated
 from fusegen.compiler.resolve import resolve
 from fusegen.compiler.validate import construction_variants
-from fusegen.testkit import TOLERANCE, max_diff, random_input, random_model, small_config, tiny_config
+from fusegen.testkit import SMALL_MLA, TOLERANCE, max_diff, random_input, random_model, small_config, tiny_config
 
 pytestmark = pytest.mark.slow  # every checked-in model type under every construction variant
 
@@ -23,19 +23,7 @@ CONFIGS = {
     "cohere": {},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16},
-    "deepseek_v3": {
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 16,
-        "first_k_dense_replace": 1,
-        "n_group": 1,
-        "topk_group": 1,
-    },
+    "deepseek_v3": {**SMALL_MLA, "q_lora_rank": 32, "first_k_dense_replace": 1},
 }
 
 

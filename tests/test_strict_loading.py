@@ -26,24 +26,13 @@ from transformers.utils.loading_report import LoadStateDictInfo
 
 from fusegen.compiler.build import build
 from fusegen.runtime import CheckpointError, check_loading, load_checkpoint
-from fusegen.testkit import TOLERANCE, import_file, random_model, small_config
+from fusegen.testkit import SMALL_MLA, TOLERANCE, import_file, random_model, small_config
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
 from generated.fused_qwen3_moe import FusedQwen3MoeForCausalLM
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 MOE = {"num_key_value_heads": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-DEEPSEEK_V2 = {
-    **MOE,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "q_lora_rank": None,
-    "kv_lora_rank": 16,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    "n_group": 1,
-    "topk_group": 1,
-}
+DEEPSEEK_V2 = {**MOE, **SMALL_MLA, "n_shared_experts": 1, "q_lora_rank": None}
 QWEN2_MOE = {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 48}
 
 
