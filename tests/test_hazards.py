@@ -562,6 +562,26 @@ def outcome(dotted):
     return block
 
 
+def assert_fused_computes_the_same(case_path, tmp_path, dotted, name):
+    """Build the case, then under `flag` True and False: the fused causal LM, loaded from the original's checkpoint
+    with no key left over or missing, gives the original's logits."""
+    (case_path / "hazard_cases" / f"fused_{name}.py").write_text(build(dotted, validate=False).text)
+    original_module = importlib.import_module(dotted)
+    fused_module = importlib.import_module(f"hazard_cases.fused_{name}")
+    for flag in (True, False):
+        torch.manual_seed(0)
+        original = original_module.ToyForCausalLM(original_module.ToyConfig(flag=flag)).eval()
+        checkpoint = tmp_path / f"checkpoint-{flag}"
+        original.save_pretrained(checkpoint)
+        fused, info = fused_module.FusedToyForCausalLM.from_pretrained(checkpoint, output_loading_info=True)
+        assert not any(info.values()), info
+        input_ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected = original(input_ids).logits
+            actual = fused.eval()(input_ids).logits
+        assert torch.allclose(expected, actual, atol=1e-6, rtol=0), (expected - actual).abs().max()
+
+
 ALL_HAZARDS = {
     **{name: (init, forward, rule, "", "") for name, (init, forward, rule) in HAZARDS.items()},
     **FAMILY_HAZARDS,
@@ -603,23 +623,7 @@ def test_safe_case_is_fused_and_computes_the_same(case_path, tmp_path, name):
     block = outcome(dotted)
     assert ("q_proj", "k_proj", "v_proj") in [plan.projections for plan in block.fused], block.refused
     assert not block.refused, block.refused
-    result = build(dotted, validate=False)
-    (case_path / "hazard_cases" / f"fused_{name}.py").write_text(result.text)
-    original_module = importlib.import_module(dotted)
-    fused_module = importlib.import_module(f"hazard_cases.fused_{name}")
-    for flag in (True, False):
-        config = original_module.ToyConfig(flag=flag)
-        torch.manual_seed(0)
-        original = original_module.ToyForCausalLM(config).eval()
-        checkpoint = tmp_path / f"checkpoint-{flag}"
-        original.save_pretrained(checkpoint)
-        fused, info = fused_module.FusedToyForCausalLM.from_pretrained(checkpoint, output_loading_info=True)
-        assert not any(info.values()), info
-        input_ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            expected = original(input_ids).logits
-            actual = fused.eval()(input_ids).logits
-        assert torch.allclose(expected, actual, atol=1e-6, rtol=0), (expected - actual).abs().max()
+    assert_fused_computes_the_same(case_path, tmp_path, dotted, name)
 
 
 def test_pieces_on_different_devices_are_refused():
@@ -700,17 +704,7 @@ def test_kv_fused_when_q_reads_another_spelling(case_path, tmp_path):
     block = outcome(dotted)
     assert [(plan.kind, plan.merged) for plan in block.fused] == [("merged_column", "kv_proj")]
     assert [refusal.rule for refusal in block.refused] == ["different-inputs"]
-    (case_path / "hazard_cases" / "fused_cross_style.py").write_text(build(dotted, validate=False).text)
-    original_module = importlib.import_module(dotted)
-    fused_module = importlib.import_module("hazard_cases.fused_cross_style")
-    for flag in (True, False):
-        torch.manual_seed(0)
-        original = original_module.ToyForCausalLM(original_module.ToyConfig(flag=flag)).eval()
-        original.save_pretrained(tmp_path / str(flag))
-        fused = fused_module.FusedToyForCausalLM.from_pretrained(tmp_path / str(flag)).eval()
-        input_ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            assert torch.allclose(original(input_ids).logits, fused(input_ids).logits, atol=1e-6, rtol=0)
+    assert_fused_computes_the_same(case_path, tmp_path, dotted, "cross_style")
 
 
 def test_conditional_sibling_merges_only_where_it_is_built(case_path):
