@@ -12,7 +12,7 @@ import tempfile
 
 import torch
 
-from fusegen.testkit import MODELS, load_pair, model_classes, save_random, small_config
+from fusegen.testkit import MODELS, load_pair, max_diff, model_classes, save_random, small_config
 
 for name in MODELS:
     cc, oc, _ = model_classes(name)
@@ -23,7 +23,7 @@ for name in MODELS:
             o, f = load_pair(d, attn_implementation=attn)
             x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
-                diff = (o(x).logits - f(x).logits).abs().max().item()
+                diff = max_diff(o(x).logits, f(x).logits)
             g = torch.equal(
                 o.generate(x[:1, :5], max_new_tokens=16, min_new_tokens=16, do_sample=False),
                 f.generate(x[:1, :5], max_new_tokens=16, min_new_tokens=16, do_sample=False),

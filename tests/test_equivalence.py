@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from fusegen.testkit import MODELS, TOLERANCE, load_pair, model_classes, small_config
+from fusegen.testkit import MODELS, TOLERANCE, load_pair, max_diff, model_classes, small_config
 from generated.fused_llama import FusedLlamaForCausalLM
 
 HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
@@ -32,7 +32,7 @@ def test_logits_and_greedy_tokens_match(checkpoint, model_type, heads, attn):
     with torch.no_grad():
         expected = original(input_ids).logits
         actual = fused(input_ids).logits
-    assert (expected - actual).abs().max().item() <= TOLERANCE
+    assert max_diff(expected, actual) <= TOLERANCE
 
     prompt = input_ids[:1, :5]
     kwargs = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False}
@@ -50,7 +50,7 @@ def test_left_padded_batch_with_mask_matches(checkpoint, model_type):
     with torch.no_grad():
         expected = original(input_ids, attention_mask=mask).logits
         actual = fused(input_ids, attention_mask=mask).logits
-    assert (expected - actual)[mask.bool()].abs().max().item() <= TOLERANCE
+    assert max_diff(expected[mask.bool()], actual[mask.bool()]) <= TOLERANCE
     kwargs = {"attention_mask": mask, "max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(original.generate(input_ids, **kwargs), fused.generate(input_ids, **kwargs))
 
@@ -62,7 +62,7 @@ def test_tied_and_untied_embeddings(checkpoint, model_type, tie):
     assert (fused.lm_head.weight.data_ptr() == fused.model.embed_tokens.weight.data_ptr()) is tie
     input_ids = torch.arange(10).unsqueeze(0)
     with torch.no_grad():
-        assert (original(input_ids).logits - fused(input_ids).logits).abs().max().item() <= TOLERANCE
+        assert max_diff(original(input_ids).logits, fused(input_ids).logits) <= TOLERANCE
 
 
 def test_explicit_head_dim(checkpoint):
@@ -71,7 +71,7 @@ def test_explicit_head_dim(checkpoint):
     assert fused.model.layers[0].self_attn.qkv_proj.output_sizes == [96, 48, 48]
     input_ids = torch.arange(10).unsqueeze(0)
     with torch.no_grad():
-        assert (original(input_ids).logits - fused(input_ids).logits).abs().max().item() <= TOLERANCE
+        assert max_diff(original(input_ids).logits, fused(input_ids).logits) <= TOLERANCE
 
 
 def test_qwen2_biases_are_merged_in_order(checkpoint):
@@ -93,7 +93,7 @@ def test_sharded_checkpoint_loads(checkpoint, model_type):
     assert not any(info.values()), info
     input_ids = torch.arange(10).unsqueeze(0)
     with torch.no_grad():
-        assert (original(input_ids).logits - fused.eval()(input_ids).logits).abs().max().item() <= TOLERANCE
+        assert max_diff(original(input_ids).logits, fused.eval()(input_ids).logits) <= TOLERANCE
 
 
 @pytest.mark.parametrize("heads", sorted(HEADS))
@@ -151,4 +151,4 @@ def test_load_weights_streams_canonical_pairs(checkpoint):
     assert "model.layers.0.self_attn.qkv_proj.weight" in loaded
     input_ids = torch.arange(10).unsqueeze(0)
     with torch.no_grad():
-        assert (original(input_ids).logits - fused(input_ids).logits).abs().max().item() <= TOLERANCE
+        assert max_diff(original(input_ids).logits, fused(input_ids).logits) <= TOLERANCE

@@ -26,7 +26,7 @@ from transformers.utils.loading_report import LoadStateDictInfo
 
 from fusegen.compiler.build import build
 from fusegen.runtime import CheckpointError, check_loading, load_checkpoint
-from fusegen.testkit import SMALL_MLA, TOLERANCE, import_file, random_model, small_config
+from fusegen.testkit import SMALL_MLA, TOLERANCE, import_file, max_diff, random_model, small_config
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
 from generated.fused_qwen3_moe import FusedQwen3MoeForCausalLM
 
@@ -58,7 +58,7 @@ def assert_loads_exactly(fused_class, path, original):
     fused, info = fused_class.from_pretrained(path, output_loading_info=True)
     assert not any(info.values()), info
     with torch.no_grad():
-        assert (original(IDS).logits - fused.eval()(IDS).logits).abs().max().item() <= TOLERANCE
+        assert max_diff(original(IDS).logits, fused.eval()(IDS).logits) <= TOLERANCE
     return fused
 
 
@@ -180,7 +180,7 @@ def test_base_model_from_a_causal_lm_checkpoint_and_tied_heads_still_load(checkp
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
         expected = original.model(IDS).last_hidden_state
-        assert (base.eval()(IDS).last_hidden_state - expected).abs().max().item() <= TOLERANCE
+        assert max_diff(base.eval()(IDS).last_hidden_state, expected) <= TOLERANCE
     fused, info = FusedLlamaForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not any(info.values()), info
     assert fused.lm_head.weight is fused.model.embed_tokens.weight

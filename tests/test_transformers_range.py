@@ -25,7 +25,7 @@ from fusegen.runtime.version import (
     check_source,
     source_sha256,
 )
-from fusegen.testkit import MODELS, TOLERANCE, import_file, original_classes, random_model, small_config
+from fusegen.testkit import MODELS, TOLERANCE, import_file, max_diff, original_classes, random_model, small_config
 
 pytestmark = pytest.mark.slow  # builds under the installed Transformers and imports in fresh processes
 
@@ -50,10 +50,10 @@ def test_build_and_load_under_the_installed_transformers(model_type, tmp_path):
     fused = fused_class.from_pretrained(tmp_path / "original").eval()
     with torch.no_grad():
         expected = original(ids).logits
-        assert (fused(ids).logits - expected).abs().max().item() <= TOLERANCE
+        assert max_diff(fused(ids).logits, expected) <= TOLERANCE
         streamed = fused_class(fused.config).eval()
         load_checkpoint(streamed, tmp_path / "original")
-        assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
+        assert max_diff(streamed(ids).logits, expected) <= TOLERANCE
     fused.save_pretrained(tmp_path / "saved")
     reloaded = original_class.from_pretrained(tmp_path / "saved").state_dict()
     assert all(torch.equal(reloaded[key], value) for key, value in original.state_dict().items())
