@@ -16,8 +16,6 @@ the other way round, and nobody would know which figure to believe.
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
@@ -236,6 +234,9 @@ def import_file(path: Path, name: str):
     Registered in `sys.modules` before it runs, as an import does: dataclasses and the runtime look a class's module
     up by `__module__` (`load_checkpoint` finds `STACKED_PARAMS_MAPPING` through it). The caller removes it if it must.
     """
+    import importlib.util
+    import sys
+
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
