@@ -286,3 +286,29 @@ def test_generated_class_reads_as_the_original():
     assert "if self.qkv_proj is not None:\n            q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(" in forward
     assert "k_proj_out if self.qkv_proj is not None else self.k_proj(hidden_states)" in forward
     assert "v_proj_out.view(hidden_shape) if self.qkv_proj is not None else key_states" in forward
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Construction variants (fusegen/compiler/validate.py): Gemma 4's construction-changing fields are found
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_gemma4_variants_cover_kv_sharing_k_eq_v_and_double_wide_mlp():
+    """Coverage's tiny config has been saved once (`architectures` set) before its variants are sought; they must
+    still include attention_k_eq_v, kv sharing (which needs more layers than the tiny config has) and the
+    double-wide MLP (which changes only kv-shared layers), each building what it names."""
+    from fusegen.compiler.resolve import resolve
+    from fusegen.compiler.shrink import tiny_config
+    from fusegen.compiler.validate import construction_variants
+    from fusegen.testkit import model_config
+
+    target = resolve("gemma4_text")
+    config = model_config(target, tiny_config(target.config_class))
+    config.architectures = ["Gemma4ForCausalLM"]
+    found = dict(construction_variants(target, config, limit=None, max_probes=None, every_field=True))
+    assert found["attention_k_eq_v=True"].attention_k_eq_v
+    shared = found["num_kv_shared_layers=1 (4 layers)"]
+    assert shared.num_hidden_layers == 4 and "reuse" in shared.kv_sharing_modes
+    wide = found["num_kv_shared_layers=1, use_double_wide_mlp=True (4 layers)"]
+    assert wide.use_double_wide_mlp and "reuse" in wide.kv_sharing_modes
+    assert any(label.startswith("enable_moe_block=True") for label in found)
