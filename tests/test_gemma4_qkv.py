@@ -197,6 +197,8 @@ IF = "if not self.is_kv_shared_layer:\n            self.k_norm"
 INIT_MUTATIONS = {
     "attribute reassigned": (K, "self.head_dim = 2 * self.head_dim", None),
     "name rebound": (IF, "layer_config = config.per_layer_config[0]", None),
+    "read object's attribute written": (IF, "config.hidden_size = 8", None),
+    "read object's item written": (K, "self.__dict__['head_dim'] = 8", None),
     "method of a read object": (IF, "config.update({'hidden_size': 8})", None),
     "read object handed to a call": (IF, "print(layer_config)", None),
     "impure hoisted size": (

@@ -185,7 +185,9 @@ def check_hoisted_init(
     Soundness, for the expressions read in `region`:
 
     1. a hoisted expression is made of `PURE_NODES` only, so evaluating it earlier (or once more) has no effect;
-    2. nothing in `region` binds, deletes or assigns a name any of them reads, or a `self.<attr>` they read;
+    2. nothing in `region` binds, deletes or assigns a name any of them reads, or a `self.<attr>` they read, or
+       writes an attribute or item of an object they read through (`config.hidden_size = 8`,
+       `self.__dict__["head_dim"] = 8`);
     3. no call in `region` (other than the projections' own constructors, which are replaced) is handed, as an
        argument or as the object a method is called on, a bare name they read (`self`, `config`, `layer_config`):
        such a call could change what they read through the object (`config.update(...)`, `register(self)`).
@@ -212,17 +214,28 @@ def check_hoisted_init(
                 raise Refused(RULE, f"`{node.id}` is rebound between the constructors", node)
             if stored and astutil.self_attr(node) and node.attr in attrs:
                 raise Refused(RULE, f"`{ast.unparse(node)}` changes between the constructors", node)
+            if stored and isinstance(node, (ast.Attribute, ast.Subscript)) and not astutil.self_attr(node):
+                root = _root(node)
+                if isinstance(root, ast.Name) and root.id in names:
+                    raise Refused(
+                        RULE, f"`{ast.unparse(node)}` writes into `{root.id}` between the constructors", node
+                    )
             if isinstance(node, ast.Call):
                 _check_call_reaches_nothing(node, names)
+
+
+def _root(node: ast.expr) -> ast.expr:
+    """The object an attribute or item chain starts from: `config` of `config.rope["x"].y`."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node
 
 
 def _check_call_reaches_nothing(call: ast.Call, names: set[str]) -> None:
     """Rule 3 of `check_hoisted_init` for one call."""
     handed = [*call.args, *(keyword.value for keyword in call.keywords)]
     handed = [arg.value if isinstance(arg, ast.Starred) else arg for arg in handed]
-    receiver = call.func
-    while isinstance(receiver, ast.Attribute):
-        receiver = receiver.value
+    receiver = _root(call.func)
     if isinstance(call.func, ast.Attribute) and isinstance(receiver, ast.Name) and receiver.id in names:
         raise Refused(RULE, f"`{ast.unparse(call)}` may change what the constructors read", call)
     for arg in handed:
