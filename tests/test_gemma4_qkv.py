@@ -314,3 +314,20 @@ def test_gemma4_variants_cover_kv_sharing_k_eq_v_and_double_wide_mlp():
     wide = found["num_kv_shared_layers=1, use_double_wide_mlp=True (4 layers)"]
     assert wide.use_double_wide_mlp and "reuse" in wide.kv_sharing_modes
     assert any(label.startswith("enable_moe_block=True") for label in found)
+
+
+def test_composite_gemma4_variants_reach_its_text_config():
+    """The multimodal gemma4 config's attention lives in its text_config: the exhaustive search probes that
+    sub-config's fields too (the build's capped search does not)."""
+    from fusegen.compiler.resolve import resolve
+    from fusegen.compiler.shrink import tiny_config
+    from fusegen.compiler.validate import construction_variants
+    from fusegen.testkit import model_config
+
+    target = resolve("gemma4")
+    config = model_config(target, tiny_config(target.config_class))
+    found = dict(construction_variants(target, config, limit=None, max_probes=None, every_field=True))
+    assert found["text_config.attention_k_eq_v=True"].text_config.attention_k_eq_v
+    shared = found["text_config.num_kv_shared_layers=1 (4 layers)"].text_config
+    assert shared.num_hidden_layers == 4 and "reuse" in shared.kv_sharing_modes
+    assert not any(label.startswith("text_config.") for label, _ in construction_variants(target, config))

@@ -467,8 +467,9 @@ def construction_variants(
         if structure not in seen:
             seen.add(structure)
             variants.append((f"{name}={_short_value(value)}", variant))
-    for label, variant in dependent_variants(target, config, read, reshrinks):
-        if limit is not None and len(variants) >= limit:
+    more = dependent_variants(target, config, read, reshrinks, every_field) if _below(limit, variants) else []
+    for label, variant in more:
+        if not _below(limit, variants):
             break
         try:
             structure = _structure(target, variant)
@@ -480,54 +481,100 @@ def construction_variants(
     return variants
 
 
-def dependent_variants(target, config, read, reshrinks: bool) -> list[tuple[str, object]]:
-    """Configs changing a field whose effect depends on another one, which single-field changes cannot reach.
+def _below(limit: int | None, variants: list) -> bool:
+    return limit is None or len(variants) < limit
+
+
+def dependent_variants(target, config, read, reshrinks: bool, sub_configs: bool = True) -> list[tuple[str, object]]:
+    """Configs changing a field whose effect depends on another one, which single-field changes cannot reach, and
+    the fields of a composite config's sub-configs (Gemma 4's `text_config`).
 
     Three generic cases (Gemma 4 has each): a feature flag that builds only with its optional sizes set
     (`enable_moe_block` with `num_experts`, `top_k_experts`, `moe_intermediate_size`); a layer counter that needs
     more layers than the tiny config has (`num_kv_shared_layers`: the shared layers must find a producer of each
     layer kind before them), tried on the config with its layers repeated (`_repeated_layers`); and a flag that
     changes nothing alone but does once such a counter is set (`use_double_wide_mlp` widens only kv-shared
-    layers), tried on top of each counter variant. Every result is built and kept only if its structure is new
-    (`construction_variants`); a false alarm costs one probe, a miss one variant less.
+    layers), tried on top of each counter variant. A sub-config gets the single-field changes and these, its
+    label prefixed with the field (`text_config.attention_k_eq_v=True`; only with `sub_configs`, which the coverage
+    tool's exhaustive search sets and the build's capped one does not). Every result is built and kept only if
+    its structure is new (`construction_variants`); a false alarm costs one probe, a miss one variant less.
     """
     if not reshrinks:
         return []
     from fusegen.compiler.shrink import tiny_config
     from fusegen.testkit import model_config
 
-    def built(**changes):
-        try:
-            variant = model_config(target, tiny_config(config, **changes))
-            _structure(target, variant)
-        except Exception:  # noqa: BLE001 - a config or model that does not build is no variant
-            return None
-        return variant
+    found = _dependent_on(
+        target, config, config, read, lambda changes: model_config(target, tiny_config(config, **changes))
+    )
+    for part, sub in _sub_configs(config) if sub_configs else []:
 
-    def _no_effect(name, value):
-        alone = built(**{name: value})
+        def make(changes, part=part, sub=sub):
+            return model_config(target, tiny_config(config, **{part: tiny_config(sub, **changes)}))
+
+        singles = [(f"{n}={_short_value(v)}", {n: v}) for n, v in candidate_changes(sub) if n in read]
+        for label, changes in singles:
+            variant = _built(target, make, changes)
+            if variant is not None:
+                found.append((f"{part}.{label}", variant))
+        found += [(f"{part}.{label}", variant) for label, variant in _dependent_on(target, config, sub, read, make)]
+    return found
+
+
+def _sub_configs(config) -> list[tuple[str, object]]:
+    """`(field, sub-config)` of a composite config: its fields holding a config (`text_config`)."""
+    from transformers import PreTrainedConfig
+
+    names = [f.name for f in dataclasses.fields(type(config))] if dataclasses.is_dataclass(config) else []
+    found = []
+    for name in names:
+        try:
+            value = getattr(config, name)
+        except Exception:  # noqa: BLE001, S112 - a field its config refuses to read globally
+            continue
+        if isinstance(value, PreTrainedConfig):
+            found.append((name, value))
+    return found
+
+
+def _built(target, make, changes: dict):
+    """`make(changes)` if that config and its model build, else None (a config the model rejects is no variant)."""
+    try:
+        variant = make(changes)
+        _structure(target, variant)
+    except Exception:  # noqa: BLE001 - a config or model that does not build is no variant
+        return None
+    return variant
+
+
+def _dependent_on(target, config, part, read, make) -> list[tuple[str, object]]:
+    """The three dependent cases of `dependent_variants` for the fields of `part` (`config` or a sub-config of
+    it); `make(changes)` builds the whole config with `part` so changed."""
+    base = _structure(target, config)
+
+    def no_effect(name, value):
+        alone = _built(target, make, {name: value})
         return alone is not None and _structure(target, alone) == base
 
-    base = _structure(target, config)
-    changes = [(n, v) for n, v in candidate_changes(config) if n in read]
-    optional = {name: value for name, value in changes if getattr(config, name, 0) is None and value is not None}
+    changes = [(n, v) for n, v in candidate_changes(part) if n in read]
+    optional = {name: value for name, value in changes if getattr(part, name, 0) is None and value is not None}
     flags = [(name, value) for name, value in changes if isinstance(value, bool) and name != "tie_word_embeddings"]
     found = []
     for name, value in flags:
-        if optional and built(**{name: value}) is None:
-            variant = built(**{name: value}, **optional)
+        if optional and _built(target, make, {name: value}) is None:
+            variant = _built(target, make, {name: value, **optional})
             if variant is not None:
                 found.append((f"{name}={value} (with {', '.join(optional)} set)", variant))
-    repeated = _repeated_layers(config)
-    layers = getattr(config, "num_hidden_layers", 0)
-    for name in [n for n in _layer_counter_fields(config) if n in read] if repeated else []:
+    repeated = _repeated_layers(part)
+    layers = getattr(part, "num_hidden_layers", 0)
+    for name in [n for n in _layer_counter_fields(part) if n in read] if repeated else []:
         for count in range(1, 2 * layers):
-            variant = built(**repeated, **{name: count})
+            variant = _built(target, make, {**repeated, name: count})
             if variant is None:
                 continue
             found.append((f"{name}={count} ({2 * layers} layers)", variant))
-            for flag, value in [(flag, value) for flag, value in flags if _no_effect(flag, value)]:
-                combined = built(**repeated, **{name: count, flag: value})
+            for flag, value in [(flag, value) for flag, value in flags if no_effect(flag, value)]:
+                combined = _built(target, make, {**repeated, name: count, flag: value})
                 if combined is not None:
                     found.append((f"{name}={count}, {flag}={value} ({2 * layers} layers)", combined))
             break
