@@ -331,3 +331,38 @@ def test_composite_gemma4_variants_reach_its_text_config():
     shared = found["text_config.num_kv_shared_layers=1 (4 layers)"].text_config
     assert shared.num_hidden_layers == 4 and "reuse" in shared.kv_sharing_modes
     assert not any(label.startswith("text_config.") for label, _ in construction_variants(target, config))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Gemma 3n: the same shape without an inner guard (k_proj and v_proj both exist exactly where qkv_proj does)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3n(tmp_path_factory):
+    from fusegen.compiler.build import build
+    from tests.test_strict_loading import import_file
+
+    path = tmp_path_factory.mktemp("gemma3n") / "fused_gemma3n_text.py"
+    path.write_text(build("gemma3n_text").text)
+    return import_file(path, "nested_fused_gemma3n_text")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemma3n_matches_with_a_kv_shared_layer(gemma3n, tmp_path, bias):
+    from transformers import Gemma3nForCausalLM
+
+    from fusegen.compiler.resolve import resolve
+    from fusegen.compiler.shrink import tiny_config
+    from fusegen.testkit import model_config
+
+    target = resolve("gemma3n_text")
+    config = model_config(target, tiny_config(target.config_class, attention_bias=bias))
+    fused_class = gemma3n.FusedGemma3nForCausalLM
+    _, fused = round_trip(Gemma3nForCausalLM, fused_class, config, tmp_path, gemma3n.STACKED_PARAMS_MAPPING)
+    layers = [layer.self_attn for layer in fused.model.layers]
+    assert any(a.is_kv_shared_layer for a in layers) and not all(a.is_kv_shared_layer for a in layers)
+    for attention in layers:
+        assert isinstance(attention.qkv_proj, MergedColumnLinear) == (not attention.is_kv_shared_layer)
+        assert (type(attention.q_proj) is nn.Linear) == attention.is_kv_shared_layer
+        assert not hasattr(attention, "k_proj") and not hasattr(attention, "v_proj")
