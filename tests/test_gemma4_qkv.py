@@ -201,6 +201,7 @@ INIT_MUTATIONS = {
     "read object's item written": (K, "self.__dict__['head_dim'] = 8", None),
     "method of a read object": (IF, "config.update({'hidden_size': 8})", None),
     "read object handed to a call": (IF, "print(layer_config)", None),
+    "method of the module's base class": (IF, "super().register_buffer('head_dim', None)", None),
     "impure hoisted size": (
         "layer_config.num_key_value_heads * self.head_dim, bias=config.attention_bias\n            )\n            self.v",
         "",

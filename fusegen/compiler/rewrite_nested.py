@@ -236,7 +236,9 @@ def _check_call_reaches_nothing(call: ast.Call, names: set[str]) -> None:
     handed = [*call.args, *(keyword.value for keyword in call.keywords)]
     handed = [arg.value if isinstance(arg, ast.Starred) else arg for arg in handed]
     receiver = _root(call.func)
-    if isinstance(call.func, ast.Attribute) and isinstance(receiver, ast.Name) and receiver.id in names:
+    is_super = isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Name) and receiver.func.id == "super"
+    reads_receiver = (isinstance(receiver, ast.Name) and receiver.id in names) or is_super  # `super()` is `self`
+    if isinstance(call.func, ast.Attribute) and reads_receiver:
         raise Refused(RULE, f"`{ast.unparse(call)}` may change what the constructors read", call)
     for arg in handed:
         if isinstance(arg, ast.Name) and arg.id in names:
