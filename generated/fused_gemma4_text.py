@@ -4,10 +4,9 @@
 # fusegen-source-sha256: 69d847d13ee6fccfe7ee9621b45330b74890eff3b496ba0f210f577713992d6c
 #
 # Fused:
-#   FusedGemma4TextAttention: k_proj + v_proj -> kv_proj (merged_column)
+#   FusedGemma4TextAttention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedGemma4TextMLP: gate_proj + up_proj -> gate_up_proj (glu)
 # Not fused:
-#   Gemma4TextAttention: q_proj + k_proj + v_proj: unusual-init: the projections are constructed in different blocks (line 1178)
 #   Gemma4RMSNorm: forward: norm-expression: `mean_squared.pow(-0.5)`
 """Fused Gemma4ForCausalLM: sibling projections merged into one GEMM each.
 
@@ -83,16 +82,16 @@ from fusegen.runtime import (
 )
 
 STACKED_PARAMS_MAPPING = {
-    "kv_proj": [("k_proj", 0), ("v_proj", 1)],
+    "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
     "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
 }
-packed_modules_mapping = {"kv_proj": ["k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 # Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
 # with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
 TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",
     "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.kv_proj": "fusegen_merged_colwise",
     "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
     "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
     "layers.*.self_attn.o_proj": "rowwise",
@@ -150,8 +149,24 @@ class FusedGemma4TextAttention(nn.Module):
         self.is_kv_shared_layer = kv_sharing_mode == "reuse"
         self.store_full_length_kv = kv_sharing_mode == "store"
 
-        self.q_proj = nn.Linear(
-            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
+        self.qkv_proj = (
+            MergedColumnLinear(
+                config.hidden_size,
+                [
+                    config.num_attention_heads * self.head_dim,
+                    layer_config.num_key_value_heads * self.head_dim,
+                    layer_config.num_key_value_heads * self.head_dim,
+                ],
+                bias=config.attention_bias,
+            )
+            if not self.is_kv_shared_layer and (not self.use_alternative_attention)
+            else None
+        )
+        self.qkv_proj_sizes = self.qkv_proj.output_sizes if self.qkv_proj is not None else None
+        self.q_proj = (
+            None
+            if self.qkv_proj is not None
+            else nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
         )
         self.q_norm = Gemma4RMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)
 
@@ -160,22 +175,9 @@ class FusedGemma4TextAttention(nn.Module):
             self.k_norm = Gemma4RMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)
             self.v_norm = Gemma4RMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
 
-            self.kv_proj = (
-                MergedColumnLinear(
-                    config.hidden_size,
-                    [
-                        layer_config.num_key_value_heads * self.head_dim,
-                        layer_config.num_key_value_heads * self.head_dim,
-                    ],
-                    bias=config.attention_bias,
-                )
-                if not self.use_alternative_attention
-                else None
-            )
-            self.kv_proj_sizes = self.kv_proj.output_sizes if self.kv_proj is not None else None
             self.k_proj = (
                 None
-                if self.kv_proj is not None
+                if self.qkv_proj is not None
                 else nn.Linear(
                     config.hidden_size, layer_config.num_key_value_heads * self.head_dim, bias=config.attention_bias
                 )
@@ -200,7 +202,11 @@ class FusedGemma4TextAttention(nn.Module):
 
         cos, sin = position_embeddings
 
-        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        if self.qkv_proj is not None:
+            q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(self.qkv_proj_sizes, dim=-1)
+        else:
+            q_proj_out = self.q_proj(hidden_states)
+        query_states = q_proj_out.view(hidden_shape)
         query_states = self.q_norm(query_states)
         query_states = apply_rotary_pos_emb(query_states, cos, sin, unsqueeze_dim=2)
         query_states = query_states.transpose(1, 2)
@@ -212,12 +218,8 @@ class FusedGemma4TextAttention(nn.Module):
             key_states, value_states = shared_kv_states[self.layer_type]
 
         else:
-            if self.kv_proj is not None:
-                k_proj_out, v_proj_out = self.kv_proj(hidden_states).split(self.kv_proj_sizes, dim=-1)
-            else:
-                k_proj_out = self.k_proj(hidden_states)
-            key_states = k_proj_out.view(hidden_shape)
-            value_states = v_proj_out.view(hidden_shape) if self.kv_proj is not None else key_states
+            key_states = (k_proj_out if self.qkv_proj is not None else self.k_proj(hidden_states)).view(hidden_shape)
+            value_states = v_proj_out.view(hidden_shape) if self.qkv_proj is not None else key_states
 
             key_states = self.k_norm(key_states)
             key_states = apply_rotary_pos_emb(key_states, cos, sin, unsqueeze_dim=2)
@@ -849,7 +851,7 @@ class FusedGemma4ForCausalLM(FusedGemma4PreTrainedModel, GenerationMixin):
 
 
 register_stacked_checkpoint(
-    ["FusedGemma4TextModel"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp"], "kv_proj": ["self_attn"]}
+    ["FusedGemma4TextModel"], STACKED_PARAMS_MAPPING, parents={"gate_up_proj": ["mlp"], "qkv_proj": ["self_attn"]}
 )
 register_fused_causal_lm(FusedGemma4ForCausalLM)
 

@@ -25,8 +25,6 @@ from transformers import (
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
-    Gemma4ForCausalLM,
-    Gemma4TextConfig,
     WhisperConfig,
     WhisperForCausalLM,
 )
@@ -35,7 +33,7 @@ from fusegen.compiler.build import build
 from fusegen.runtime import CheckpointError, MergedColumnLinear, load_checkpoint, save_checkpoint
 from fusegen.testkit import GRAD_TOLERANCE, SMALL_MLA, TOLERANCE, import_file, random_model
 from fusegen.testkit import small_config as tiny_config
-from generated import fused_deepseek_v3, fused_gemma4_text
+from generated import fused_deepseek_v3
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 MLA = {"num_key_value_heads": 4, **SMALL_MLA}
@@ -338,40 +336,7 @@ GEMMA4 = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-GEMMA4_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-
-
-@pytest.mark.parametrize("k_eq_v", [False, True])
-@pytest.mark.parametrize("shared", [0, 2])
-def test_gemma4_matches_with_kv_sharing_and_k_eq_v(tmp_path, k_eq_v, shared):
-    config = Gemma4TextConfig(
-        **GEMMA4,
-        num_hidden_layers=len(GEMMA4_LAYERS),
-        layer_types=GEMMA4_LAYERS,
-        attention_k_eq_v=k_eq_v,
-        num_kv_shared_layers=shared,
-    )
-    fused_class = fused_gemma4_text.FusedGemma4ForCausalLM
-    _, fused = round_trip(Gemma4ForCausalLM, fused_class, config, tmp_path, fused_gemma4_text.STACKED_PARAMS_MAPPING)
-    layers = [layer.self_attn for layer in fused.model.layers]
-    sharing = [attention.is_kv_shared_layer for attention in layers]
-    assert sharing == [False] * (4 - shared) + [True] * shared
-    for attention in layers:
-        if attention.is_kv_shared_layer:
-            assert not hasattr(attention, "kv_proj") and not hasattr(attention, "k_proj")
-        elif attention.use_alternative_attention:  # keys are the values: no v_proj, k_proj as the original builds it
-            assert attention.kv_proj is None and type(attention.k_proj) is nn.Linear
-        else:
-            assert attention.k_proj is None and isinstance(attention.kv_proj, MergedColumnLinear)
-    assert any(isinstance(getattr(a, "kv_proj", None), MergedColumnLinear) for a in layers)
-    assert k_eq_v == any(a.use_alternative_attention for a in layers if not a.is_kv_shared_layer)
-
-
-def test_gemma4_tp_plan_keeps_the_rule_of_the_unfused_k_proj():
-    """Layers with attention_k_eq_v keep a plain k_proj, so its colwise rule stays next to kv_proj's."""
-    assert fused_gemma4_text.TP_PLAN["layers.*.self_attn.kv_proj"] == "fusegen_merged_colwise"
-    assert fused_gemma4_text.TP_PLAN["layers.*.self_attn.k_proj"] == "colwise"
-    assert "layers.*.self_attn.v_proj" not in fused_gemma4_text.TP_PLAN
+# The fused Gemma 4 attention (q_proj joining k/v in a nested block) is tested in tests/test_gemma4_qkv.py.
 
 
 def test_quantizing_or_sharding_a_merged_linear_without_some_bias_is_refused(built):

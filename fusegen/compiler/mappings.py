@@ -42,9 +42,22 @@ def checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str]
 def tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict) -> dict:
     """Template data for tensor parallelism: the fused form of the config's `base_model_tp_plan` (or why there is
     none); see fusegen/runtime/tp.py. The kinds say which merged linears hold attention heads
-    (`Kind.head_sharded`)."""
+    (`Kind.head_sharded`), except a merge that exists only in some configs (`FusionPlan.kept`, see
+    `head_sharded_everywhere`)."""
     original = getattr(model.config, "base_model_tp_plan", None)
-    heads = {plan.merged for plan in plans if fusions.kind(plan.kind).head_sharded}
+    heads = {plan.merged for plan in plans if head_sharded_everywhere(plan)}
     kept = {name for fusion in plans for name in fusion.kept}
     plan, reason = fused_plan_from(original, stacked_mapping(plans), parents, heads=heads, kept=kept)
     return {"tp_plan": repr(plan) if plan else None, "tp_reason": reason}
+
+
+def head_sharded_everywhere(plan: FusionPlan) -> bool:
+    """Does the owner of `plan`'s merged linear get the local-heads rule (`fusegen.runtime.tp.LocalHeadsParallel`)?
+
+    That rule finds, in every module the plan pattern names, one merged q/k/v linear whose sizes follow the
+    config's head counts, and fails otherwise. A conditional merge (Gemma 4's `qkv_proj`, None in the layers that
+    share kv or have no v_proj, and sized by per-layer head counts) has no such linear in some layers, so it gets
+    the merged column rule alone: each piece split over the processes as its own `colwise` rule split it in the
+    original, and the projections it keeps (`q_proj`, `k_proj`) their own rules (`fused_plan_from`'s `kept`).
+    """
+    return fusions.kind(plan.kind).head_sharded and not plan.kept

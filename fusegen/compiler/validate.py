@@ -467,7 +467,149 @@ def construction_variants(
         if structure not in seen:
             seen.add(structure)
             variants.append((f"{name}={_short_value(value)}", variant))
+    more = dependent_variants(target, config, read, reshrinks, every_field) if _below(limit, variants) else []
+    for label, variant in more:
+        if not _below(limit, variants):
+            break
+        try:
+            structure = _structure(target, variant)
+        except Exception:  # noqa: BLE001, S112 - as above
+            continue
+        if structure not in seen:
+            seen.add(structure)
+            variants.append((label, variant))
     return variants
+
+
+def _below(limit: int | None, variants: list) -> bool:
+    return limit is None or len(variants) < limit
+
+
+def dependent_variants(target, config, read, reshrinks: bool, sub_configs: bool = True) -> list[tuple[str, object]]:
+    """Configs changing a field whose effect depends on another one, which single-field changes cannot reach, and
+    the fields of a composite config's sub-configs (Gemma 4's `text_config`).
+
+    Three generic cases (Gemma 4 has each): a feature flag that builds only with its optional sizes set
+    (`enable_moe_block` with `num_experts`, `top_k_experts`, `moe_intermediate_size`); a layer counter that needs
+    more layers than the tiny config has (`num_kv_shared_layers`: the shared layers must find a producer of each
+    layer kind before them), tried on the config with its layers repeated (`_repeated_layers`); and a flag that
+    changes nothing alone but does once such a counter is set (`use_double_wide_mlp` widens only kv-shared
+    layers), tried on top of each counter variant. A sub-config gets the single-field changes and these, its
+    label prefixed with the field (`text_config.attention_k_eq_v=True`; only with `sub_configs`, which the coverage
+    tool's exhaustive search sets and the build's capped one does not). Every result is built and kept only if
+    its structure is new (`construction_variants`); a false alarm costs one probe, a miss one variant less.
+    """
+    if not reshrinks:
+        return []
+    from fusegen.compiler.shrink import tiny_config
+    from fusegen.testkit import model_config
+
+    found = _dependent_on(
+        target, config, config, read, lambda changes: model_config(target, tiny_config(config, **changes))
+    )
+    for part, sub in _sub_configs(config) if sub_configs else []:
+
+        def make(changes, part=part, sub=sub):
+            return model_config(target, tiny_config(config, **{part: tiny_config(sub, **changes)}))
+
+        singles = [(f"{n}={_short_value(v)}", {n: v}) for n, v in candidate_changes(sub) if n in read]
+        for label, changes in singles:
+            variant = _built(target, make, changes)
+            if variant is not None:
+                found.append((f"{part}.{label}", variant))
+        found += [(f"{part}.{label}", variant) for label, variant in _dependent_on(target, config, sub, read, make)]
+    return found
+
+
+def _sub_configs(config) -> list[tuple[str, object]]:
+    """`(field, sub-config)` of a composite config: its fields holding a config (`text_config`)."""
+    from transformers import PreTrainedConfig
+
+    names = [f.name for f in dataclasses.fields(type(config))] if dataclasses.is_dataclass(config) else []
+    found = []
+    for name in names:
+        try:
+            value = getattr(config, name)
+        except Exception:  # noqa: BLE001, S112 - a field its config refuses to read globally
+            continue
+        if isinstance(value, PreTrainedConfig):
+            found.append((name, value))
+    return found
+
+
+def _built(target, make, changes: dict):
+    """`make(changes)` if that config and its model build, else None (a config the model rejects is no variant)."""
+    try:
+        variant = make(changes)
+        _structure(target, variant)
+    except Exception:  # noqa: BLE001 - a config or model that does not build is no variant
+        return None
+    return variant
+
+
+def _dependent_on(target, config, part, read, make) -> list[tuple[str, object]]:
+    """The three dependent cases of `dependent_variants` for the fields of `part` (`config` or a sub-config of
+    it); `make(changes)` builds the whole config with `part` so changed."""
+    base = _structure(target, config)
+
+    def no_effect(name, value):
+        alone = _built(target, make, {name: value})
+        return alone is not None and _structure(target, alone) == base
+
+    changes = [(n, v) for n, v in candidate_changes(part) if n in read]
+    optional = {name: value for name, value in changes if getattr(part, name, 0) is None and value is not None}
+    flags = [(name, value) for name, value in changes if isinstance(value, bool) and name != "tie_word_embeddings"]
+    found = []
+    for name, value in flags:
+        if optional and _built(target, make, {name: value}) is None:
+            variant = _built(target, make, {name: value, **optional})
+            if variant is not None:
+                found.append((f"{name}={value} (with {', '.join(optional)} set)", variant))
+    repeated = _repeated_layers(part)
+    layers = getattr(part, "num_hidden_layers", 0)
+    for name in [n for n in _layer_counter_fields(part) if n in read] if repeated else []:
+        for count in range(1, 2 * layers):
+            variant = _built(target, make, {**repeated, name: count})
+            if variant is None:
+                continue
+            found.append((f"{name}={count} ({2 * layers} layers)", variant))
+            for flag, value in [(flag, value) for flag, value in flags if no_effect(flag, value)]:
+                combined = _built(target, make, {**repeated, name: count, flag: value})
+                if combined is not None:
+                    found.append((f"{name}={count}, {flag}={value} ({2 * layers} layers)", combined))
+            break
+    return found
+
+
+_SHARED_LAYERS = re.compile(r"^num_\w*shared_layers$")
+"""Integer fields counting layers that reuse another layer's state (Gemma 3n / Gemma 4 `num_kv_shared_layers`)."""
+
+
+def _layer_counter_fields(config) -> list[str]:
+    """Integer fields, 0 in `config`, that count layers of a kind (`_SHARED_LAYERS`)."""
+    names = [f.name for f in dataclasses.fields(type(config))] if dataclasses.is_dataclass(config) else []
+    return [name for name in names if _SHARED_LAYERS.match(name) and getattr(config, name, None) == 0]
+
+
+def _repeated_layers(config) -> dict:
+    """Overrides giving `config` twice its layers: every per-layer list repeated, every per-layer dict (keyed by
+    layer index) extended with the same entries for the repeated layers. Empty if there is no layer count."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 1:
+        return {}
+    overrides: dict = {"num_hidden_layers": 2 * layers}
+    for item in dataclasses.fields(type(config)) if dataclasses.is_dataclass(config) else []:
+        try:
+            value = getattr(config, item.name)
+        except Exception:  # noqa: BLE001, S112 - per-layer values a config refuses to read globally
+            continue
+        if isinstance(value, list) and len(value) == layers:
+            overrides[item.name] = value * 2
+    per_layer = config.to_dict().get("per_layer_config")
+    if isinstance(per_layer, dict):
+        entries = {int(index): values for index, values in per_layer.items()}
+        overrides["per_layer_config"] = {**entries, **{index + layers: values for index, values in entries.items()}}
+    return overrides
 
 
 def _reshrinks_to_itself(target, config) -> bool:
@@ -483,9 +625,20 @@ def _reshrinks_to_itself(target, config) -> bool:
     from fusegen.testkit import model_config
 
     try:
-        return model_config(target, tiny_config(config)).to_dict() == config.to_dict()
+        return _construction_dict(model_config(target, tiny_config(config))) == _construction_dict(config)
     except Exception:  # noqa: BLE001 - a config that does not shrink again
         return False
+
+
+_METADATA = frozenset({"architectures", "_name_or_path", "transformers_version"})
+"""Config entries a save or load writes (the coverage tool's tiny run sets `architectures`) that build nothing."""
+
+
+def _construction_dict(config) -> dict:
+    """`config.to_dict()` without `_METADATA`: what `_reshrinks_to_itself` compares. Without this, a tiny config
+    that was saved once (`architectures` set) no longer shrank to itself, and Gemma 4's variants, replaced field by
+    field instead, all failed on its per-layer attributes (coverage showed "tiny + 0 variants")."""
+    return {key: value for key, value in config.to_dict().items() if key not in _METADATA}
 
 
 _COUNTERS = re.compile(

@@ -26,6 +26,7 @@ from fusegen.compiler.match import linear_children
 from fusegen.compiler.plan import FusionPlan, Refused, ShardId
 from fusegen.compiler.rewrite_forward import rewrite_forward
 from fusegen.compiler.rewrite_init import MERGED_LINEAR, check_no_other_uses, rewrite_init, same_block_groups
+from fusegen.compiler.rewrite_nested import rewrite_forward_nested, rewrite_init_nested, spans_blocks
 from fusegen.compiler.safety import check_projections, projection_findings
 from fusegen.fusions.base import Kind
 from fusegen.runtime.linear import sizes_attribute
@@ -73,6 +74,8 @@ class LinearKind(Kind):
         """The merged construction in `__init__`, the merged call + split in `forward`; returns `plan` noting which
         projections configs without the merged linear still build on their own (`FusionPlan.kept`)."""
         check_no_other_uses(classdef, plan)
+        if spans_blocks(astutil.method(classdef, "__init__"), plan.projections):
+            return _rewrite_nested(classdef, plan, module, namespace, fused)
         conditional = rewrite_init(astutil.method(classdef, "__init__"), plan, namespace)
         with _merged_linears_present(module, [done for done in fused if done.shards]):
             rewrite_forward(astutil.method(classdef, "forward"), plan, module, namespace, conditional)
@@ -84,7 +87,7 @@ class LinearKind(Kind):
     def smaller_after_rewrite(self, classdef: ast.ClassDef, plan: FusionPlan, refusal: Refused) -> list[FusionPlan]:
         if refusal.rule == "different-inputs":
             return _same_spelling_subplans(astutil.method(classdef, "forward"), plan)
-        if refusal.rule == "unusual-init":
+        if refusal.rule == "unusual-init" or spans_blocks(astutil.method(classdef, "__init__"), plan.projections):
             groups = same_block_groups(astutil.method(classdef, "__init__"), plan.projections)
             return [fusions.kind(SIBLINGS).plan(names) for names in groups]
         return []
@@ -138,6 +141,17 @@ def _merged_linears_present(instance: nn.Module, fused: list[FusionPlan]):
     finally:
         for name in added:
             del instance._modules[name]
+
+
+def _rewrite_nested(
+    classdef: ast.ClassDef, plan: FusionPlan, module: nn.Module, namespace: dict, fused: list[FusionPlan]
+) -> FusionPlan:
+    """The rewrite of a plan whose constructors sit in nested blocks (`fusegen.compiler.rewrite_nested`); the plan
+    notes the projections configs without the merged linear still build (`FusionPlan.kept`)."""
+    built = rewrite_init_nested(astutil.method(classdef, "__init__"), plan, namespace)
+    with _merged_linears_present(module, [done for done in fused if done.shards]):
+        rewrite_forward_nested(astutil.method(classdef, "forward"), plan, module, namespace, built)
+    return dataclasses.replace(plan, kept=built.kept)
 
 
 def _with_kept(plan: FusionPlan, conditional: frozenset[str]) -> FusionPlan:
