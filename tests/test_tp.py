@@ -1,7 +1,8 @@
 """Tensor parallelism of the generated fused models (fusegen.runtime.tp) on CPU with gloo.
 
 The multi-process tests start their own process groups (spawned workers, a free port, a short gloo timeout) and each
-launch runs every case of one world size, so the suite pays for process start-up twice. Every launch is killed after
+launch runs every case of one key of CASES (N=2, N=4, and the DeepSeek MLA cases at N=2 in a launch of their own), so
+the suite pays for process start-up three times. Every launch is killed after
 LAUNCH_TIMEOUT seconds, so a deadlock fails the test instead of hanging it. Each case compares the tensor-parallel
 fused model with the single-process fused model and with the original Transformers class on the same checkpoint.
 
@@ -109,14 +110,6 @@ CASES = {
             {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, **TOKENS},
             "refuse-packed",
         ),
-        # MLA: layer 0 dense (merged gate_up_proj), layer 1 MoE (experts + shared experts); q_lora_rank set (merged
-        # fused_qkv_a_proj) and None (q_proj and a plain kv_a_proj_with_mqa). deepseek_v3's config plan shards the
-        # MLPs only, deepseek_v2's the attention too (q_b/kv_b by heads, o_proj by rows, a-projections replicated).
-        "mla-v3": ("deepseek_v3", {**MLA, "q_lora_rank": 24}, "mla"),
-        "mla-v3-no-q-lora": ("deepseek_v3", {**MLA, "q_lora_rank": None}, "mla"),
-        "mla-v2": ("deepseek_v2", {**MLA, "q_lora_rank": 24}, "mla"),
-        "mla-v2-no-q-lora": ("deepseek_v2", {**MLA, "q_lora_rank": None}, "mla"),
-        "mla-v2-all-moe": ("deepseek_v2", {**MLA, "q_lora_rank": 24, "first_k_dense_replace": 0}, "mla"),
         "unhonoured-override": ("llama", {"num_key_value_heads": 2}, "unhonoured"),
     },
     4: {
@@ -127,7 +120,19 @@ CASES = {
         "mlp-90": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "error"),
         "phi3-packed-gqa": ("phi3", {"num_key_value_heads": 2, **TOKENS}, "packed"),  # kv head shared by 2 ranks
     },
+    "2-mla": {  # N=2, a launch of its own (each launch has its own LAUNCH_TIMEOUT)
+        # MLA: layer 0 dense (merged gate_up_proj), layer 1 MoE (experts + shared experts); q_lora_rank set (merged
+        # fused_qkv_a_proj) and None (q_proj and a plain kv_a_proj_with_mqa). deepseek_v3's config plan shards the
+        # MLPs only, deepseek_v2's the attention too (q_b/kv_b by heads, o_proj by rows, a-projections replicated).
+        "mla-v3": ("deepseek_v3", {**MLA, "q_lora_rank": 24}, "mla"),
+        "mla-v3-no-q-lora": ("deepseek_v3", {**MLA, "q_lora_rank": None}, "mla"),
+        "mla-v2": ("deepseek_v2", {**MLA, "q_lora_rank": 24}, "mla"),
+        "mla-v2-no-q-lora": ("deepseek_v2", {**MLA, "q_lora_rank": None}, "mla"),
+        "mla-v2-all-moe": ("deepseek_v2", {**MLA, "q_lora_rank": 24, "first_k_dense_replace": 0}, "mla"),
+    },
 }
+WORLD_SIZES = {"2-mla": 2}
+"""The world size of a launch whose key in CASES is not its world size."""
 ERRORS = {
     "heads-3": "num_attention_heads=3 is not divisible by N",
     "kv-heads-3": "num_key_value_heads=3 neither divisible by nor dividing N",
@@ -580,20 +585,21 @@ def read_bound(path: str, world_size: int, replicated_kv: bool) -> int:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """`launched(N)`: the cases of world size N, run once per module (one launch per N) and then reused."""
+    """`launched(key)`: the cases of `CASES[key]` (world size N = key, or `WORLD_SIZES[key]`), run once per module
+    (one launch per key) and then reused."""
     done = {}
 
-    def get(world_size):
-        if world_size not in done:
-            root = tmp_path_factory.mktemp(f"tp{world_size}")
-            cases = _checkpoints(root, CASES[world_size])
-            done[world_size] = cases, launch(world_size, cases, root)
-        return done[world_size]
+    def get(key):
+        if key not in done:
+            root = tmp_path_factory.mktemp(f"tp{key}")
+            cases = _checkpoints(root, CASES[key])
+            done[key] = cases, launch(WORLD_SIZES.get(key, key), cases, root)
+        return done[key]
 
     return get
 
 
-def _cases(how: str) -> list[tuple[int, str]]:
+def _cases(how: str) -> list[tuple[int | str, str]]:
     return [(n, name) for n, cases in CASES.items() for name, case in cases.items() if case[2].startswith(how)]
 
 
@@ -669,15 +675,15 @@ def test_unshardable_head_counts_fail_with_a_clear_error(launched, world_size, n
         assert path in result["error"], result["error"]  # names the model
 
 
-@pytest.mark.parametrize(("world_size", "name"), _cases("mla"))
-def test_mla_tp_matches_the_single_process_original(launched, world_size, name):
+@pytest.mark.parametrize(("key", "name"), _cases("mla"))
+def test_mla_tp_matches_the_single_process_original(launched, key, name):
     """Fused DeepSeek MLA under tensor parallelism: the original's logits, greedy tokens and every gradient, with the
     attention sharded as the config's plan says (deepseek_v2: q_b_proj or q_proj, kv_b_proj by heads, o_proj by
     rows, fused_qkv_a_proj and the norms replicated; deepseek_v3: attention replicated) and the MLPs sharded."""
-    (model_type, _, _), per_rank = _results(launched, world_size, name)
-    overrides = CASES[world_size][name][1]
+    (model_type, _, _), per_rank = _results(launched, key, name)
+    overrides = CASES[key][name][1]
     for rank, result in enumerate(per_rank):
-        print(f"N={world_size} {name} rank {rank}: {json.dumps(result)}")
+        print(f"N={WORLD_SIZES[key]} {name} rank {rank}: {json.dumps(result)}")
         assert result["vs_original"] <= result["bound"] and result["logits_max"] > 0.1, result
         assert result["greedy_original"] and result["greedy_static"], result
         assert not result["grad_missing"] and result["grad_expected"], result
