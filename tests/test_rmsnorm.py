@@ -451,3 +451,21 @@ def test_generated_llama_equals_the_original_bitwise_in_float32():
     input_ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.equal(original(input_ids).logits, fused.eval()(input_ids).logits)
+
+
+@pytest.mark.parametrize("value", ["None", "int 0", "a tensor"])
+@pytest.mark.parametrize("model_type", list(GENERATED))
+def test_generated_norms_treat_a_non_float_eps_as_the_original_does(model_type, value):
+    """The checked-in files' norms built with an eps that is no float (None, on which the original raises; an int; a
+    tensor) do what the original norm class does."""
+    import importlib
+
+    import transformers
+
+    module_name, _, causal_lm, norm_name, _ = GENERATED[model_type]
+    fused_norm = getattr(importlib.import_module(module_name), f"Fused{norm_name}")
+    original_norm = getattr(importlib.import_module(getattr(transformers, causal_lm).__module__), norm_name)
+    fused, original = fused_norm(8, eps=CONFIG_VALUES[value]), original_norm(8, eps=CONFIG_VALUES[value])
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    expected, actual = _outcome(type(original).forward, original, x), _outcome(type(fused).forward, fused, x)
+    assert _same_outcome(expected, actual), (expected, actual)
