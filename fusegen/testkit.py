@@ -10,7 +10,8 @@ the other way round, and nobody would know which figure to believe.
 - `tiny_config`: any model type's config shrunk generically (`fusegen.compiler.shrink`), text part selected.
 - `save_random`, `load_pair`: an original checkpoint saved once, and original + fused both loaded from it.
 - `random_input`: fixed token ids that avoid the config's special tokens.
-- `TOLERANCE`, `GRAD_TOLERANCE`: defined by the compiler's validation, which holds every build to them.
+- `TOLERANCE`, `GRAD_TOLERANCE`, `logits_tolerance`: defined by the compiler's validation, which holds every build to
+  them (`logits_tolerance(expected)`, TOLERANCE times the logits' scale, is the one logits rule).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fusegen.compiler.validate import GRAD_TOLERANCE, TOLERANCE
+from fusegen.compiler.validate import GRAD_TOLERANCE, TOLERANCE, logits_tolerance
 
 __all__ = [
     "BATCH",
@@ -36,6 +37,7 @@ __all__ = [
     "import_file",
     "load_fused",
     "load_pair",
+    "logits_tolerance",
     "max_diff",
     "model_classes",
     "model_config",

@@ -115,12 +115,16 @@ class FusedGemma3RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x):
+        if type(self.eps) is float:
+            return (
+                torch.nn.functional.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)
+                * (1.0 + self.weight.to(torch.float32))
+            ).to(x.dtype)
+        output = self._norm(x.float())
         # Llama does x.to(float16) * w whilst Gemma3 is (x * w).to(float16)
         # See https://github.com/huggingface/transformers/pull/29402
-        return (
-            torch.nn.functional.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)
-            * (1.0 + self.weight.to(torch.float32))
-        ).to(x.dtype)
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

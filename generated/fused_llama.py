@@ -89,7 +89,11 @@ class FusedLlamaRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if type(self.variance_epsilon) is float and hidden_states.dtype in (
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+        ):
             return self.weight * torch.nn.functional.rms_norm(
                 hidden_states, hidden_states.shape[-1:], eps=self.variance_epsilon
             )

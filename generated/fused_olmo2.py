@@ -82,12 +82,18 @@ class FusedOlmo2RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states) -> torch.Tensor:
-        return (
-            self.weight
-            * torch.nn.functional.rms_norm(
-                hidden_states.to(torch.float32), hidden_states.shape[-1:], eps=self.variance_epsilon
-            )
-        ).to(hidden_states.dtype)
+        if type(self.variance_epsilon) is float:
+            return (
+                self.weight
+                * torch.nn.functional.rms_norm(
+                    hidden_states.to(torch.float32), hidden_states.shape[-1:], eps=self.variance_epsilon
+                )
+            ).to(hidden_states.dtype)
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return (self.weight * hidden_states).to(input_dtype)
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

@@ -247,10 +247,10 @@ def test_rms_norm_styles_are_rewritten_bit_identically(name):
 
 def test_gemma_keeps_its_one_plus_weight_in_float32():
     plan = rmsnorm.derive(Gemma3RMSNorm, _meta(Gemma3RMSNorm, 8))
-    forward = ast.unparse(_forward(rmsnorm.rewritten_class(Gemma3RMSNorm, plan)))
-    assert "x.to(torch.float32), x.shape[-1:], eps=self.eps)" in forward
-    assert "(1.0 + self.weight.to(torch.float32))" in forward
-    assert forward.rstrip().endswith(".to(x.dtype)")
+    fast = ast.unparse(_forward(rmsnorm.rewritten_class(Gemma3RMSNorm, plan)).body[0].body[0])  # the guarded return
+    assert "x.to(torch.float32), x.shape[-1:], eps=self.eps)" in fast
+    assert "(1.0 + self.weight.to(torch.float32))" in fast
+    assert fast.rstrip().endswith(".to(x.dtype)")
 
 
 def test_llama_keeps_its_original_statements_for_other_dtypes():
@@ -266,6 +266,105 @@ def test_llama_keeps_its_original_statements_for_other_dtypes():
     fast = rmsnorm.compile_forward(LlamaRMSNorm, forward)
     assert torch.equal(fast(norm, x), norm(x))
     assert not torch.equal(norm.weight * F.rms_norm(x, (8,), eps=norm.variance_epsilon), norm(x))
+
+
+# --- values a config can put in the attributes the rewrite reads --------------------------------------------------
+
+
+class Scaled(_Norm):
+    """Llama's norm times a number the config sets (`self.scale`): the rewrite keeps reading it as the original does."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__(hidden_size, eps)
+        self.scale = 2.0
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.scale * (self.weight * hidden_states.to(input_dtype))
+
+
+def _outcome(forward, module, x):
+    """What calling `forward` does: `("value", output)` or `("raises", exception type, message)`."""
+    try:
+        return ("value", forward(module, x))
+    except Exception as error:  # noqa: BLE001 - the outcome compared is the exception itself
+        return ("raises", type(error), str(error))
+
+
+def _same_outcome(expected, actual) -> bool:
+    if expected[0] != actual[0]:
+        return False
+    if expected[0] == "raises":  # the same type (messages may differ: `.float()` is emitted as `.to(torch.float32)`)
+        return expected[1] is actual[1]
+    return expected[1].dtype == actual[1].dtype and torch.equal(expected[1], actual[1])
+
+
+STYLES = {  # a class of each rewritten style (the eps attribute, the class)
+    "llama (cast-then-weight)": ("variance_epsilon", LlamaRMSNorm),
+    "olmo2 (weight-then-cast)": ("variance_epsilon", Olmo2RMSNorm),
+    "gemma3 (1 + weight)": ("eps", Gemma3RMSNorm),
+    "scaled": ("variance_epsilon", Scaled),
+}
+CONFIG_VALUES = {  # what `rms_norm_eps` (or `eps`) can hold in a config besides a float
+    "None": None,
+    "int 0": 0,
+    "int 1": 1,
+    "True": True,
+    "a tensor": torch.tensor(1e-6),
+    "a float64 tensor": torch.tensor(0.5, dtype=torch.float64),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("value", list(CONFIG_VALUES))
+@pytest.mark.parametrize("style", list(STYLES))
+def test_every_eps_a_config_can_carry_behaves_as_in_the_original(style, value, dtype):
+    """eps=None: the original raises a TypeError, where `F.rms_norm(..., eps=None)` would quietly use the dtype's
+    machine epsilon; other non-float values are not what the execution check ran. Whatever the value, the rewritten
+    forward does what the original does: the same output bit for bit, or an exception of the same type."""
+    eps, cls = STYLES[style]
+    plan = rmsnorm.derive(cls, _meta(cls, 8))
+    fast = rmsnorm.compile_forward(cls, _forward(rmsnorm.rewritten_class(cls, plan)))
+    norm = cls(8)
+    with torch.no_grad():
+        norm.weight.normal_()
+    setattr(norm, eps, CONFIG_VALUES[value])
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    expected, actual = _outcome(type(norm).forward, norm, x), _outcome(fast, norm, x)
+    assert _same_outcome(expected, actual), (expected, actual)
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_other_attributes_a_config_sets_behave_as_in_the_original(style):
+    """The weight (None where a config builds the norm without one) and a number such as `Scaled.scale` (None, an int)
+    are read by the same operations in the rewrite as in the original, so they do the same to both."""
+    _, cls = STYLES[style]
+    plan = rmsnorm.derive(cls, _meta(cls, 8))
+    fast = rmsnorm.compile_forward(cls, _forward(rmsnorm.rewritten_class(cls, plan)))
+    changes = [("weight", None)] + ([("scale", None), ("scale", 3)] if cls is Scaled else [])
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    for name, value in changes:
+        norm = cls(8)
+        setattr(norm, name, value)
+        expected, actual = _outcome(type(norm).forward, norm, x), _outcome(fast, norm, x)
+        assert _same_outcome(expected, actual), (name, value, expected, actual)
+
+
+def test_the_rewrite_runs_the_kernel_for_a_float_eps_only():
+    """The guard in the emitted text: a float eps (what `check_exact` executed) and, for Llama, an exact dtype."""
+    plan = rmsnorm.derive(LlamaRMSNorm, _meta(LlamaRMSNorm, 8))
+    guard = _forward(rmsnorm.rewritten_class(LlamaRMSNorm, plan)).body[0]
+    assert ast.unparse(guard.test) == (
+        "type(self.variance_epsilon) is float and hidden_states.dtype in (torch.float32, torch.bfloat16, torch.float16)"
+    )
+    plan = rmsnorm.derive(Gemma3RMSNorm, _meta(Gemma3RMSNorm, 8))
+    forward = _forward(rmsnorm.rewritten_class(Gemma3RMSNorm, plan))
+    original = _forward(astutil.parse_class(Gemma3RMSNorm))
+    assert ast.unparse(forward.body[0].test) == "type(self.eps) is float"
+    assert [ast.dump(s) for s in forward.body[1:]] == [ast.dump(s) for s in original.body]  # kept below the guard
 
 
 # --- in the generated files ----------------------------------------------------------------------------------------
@@ -352,3 +451,21 @@ def test_generated_llama_equals_the_original_bitwise_in_float32():
     input_ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.equal(original(input_ids).logits, fused.eval()(input_ids).logits)
+
+
+@pytest.mark.parametrize("value", ["None", "int 0", "a tensor"])
+@pytest.mark.parametrize("model_type", list(GENERATED))
+def test_generated_norms_treat_a_non_float_eps_as_the_original_does(model_type, value):
+    """The checked-in files' norms built with an eps that is no float (None, on which the original raises; an int; a
+    tensor) do what the original norm class does."""
+    import importlib
+
+    import transformers
+
+    module_name, _, causal_lm, norm_name, _ = GENERATED[model_type]
+    fused_norm = getattr(importlib.import_module(module_name), f"Fused{norm_name}")
+    original_norm = getattr(importlib.import_module(getattr(transformers, causal_lm).__module__), norm_name)
+    fused, original = fused_norm(8, eps=CONFIG_VALUES[value]), original_norm(8, eps=CONFIG_VALUES[value])
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    expected, actual = _outcome(type(original).forward, original, x), _outcome(type(fused).forward, fused, x)
+    assert _same_outcome(expected, actual), (expected, actual)

@@ -1,7 +1,8 @@
 """Tensor parallelism of the generated fused models (fusegen.runtime.tp) on CPU with gloo.
 
 The multi-process tests start their own process groups (spawned workers, a free port, a short gloo timeout) and each
-launch runs every case of one world size, so the suite pays for process start-up twice. Every launch is killed after
+launch runs every case of one key of CASES (N=2, N=4, and the DeepSeek MLA cases at N=2 in a launch of their own), so
+the suite pays for process start-up three times. Every launch is killed after
 LAUNCH_TIMEOUT seconds, so a deadlock fails the test instead of hanging it. Each case compares the tensor-parallel
 fused model with the single-process fused model and with the original Transformers class on the same checkpoint.
 
@@ -26,14 +27,24 @@ from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForC
 from fusegen.runtime.tp import (
     LOCAL_HEADS,
     MERGED_COLWISE,
+    MLA_KV_A,
     PartitionedSplit,
     RowPartition,
     _unblock,
     check_head_counts,
+    check_plan_honoured,
     fused_plan_from,
     partition_rows,
 )
-from fusegen.testkit import TOLERANCE, model_classes, original_classes, random_model, small_config
+from fusegen.testkit import (
+    GRAD_TOLERANCE,
+    TOLERANCE,
+    logits_tolerance,
+    model_classes,
+    original_classes,
+    random_model,
+    small_config,
+)
 from generated.fused_llama import STACKED_PARAMS_MAPPING, TP_PLAN, FusedLlamaForCausalLM
 
 pytestmark = pytest.mark.slow  # torchrun launches and multi-rank loads
@@ -41,6 +52,23 @@ pytestmark = pytest.mark.slow  # torchrun launches and multi-rank loads
 LAUNCH_TIMEOUT = 300  # seconds for one multi-process launch, interpreter start-up included (2 shared CPU cores)
 GROUP_TIMEOUT = 60  # seconds gloo waits on a collective before failing
 TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # the defaults lie outside the tiny vocabulary
+MLA = {  # tiny DeepSeek MLA + MoE sizes; 4 heads, as many kv heads (MLA expands the latent to every head)
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    **TOKENS,
+}
+BUILT = ("deepseek_v2",)
+"""Model types with no checked-in fused file: built into the launch directory (`built/fused_<type>.py`)."""
 # name -> (model type, config overrides, how the case runs). Heads are 4 unless overridden (fusegen/testkit.py SMALL).
 CASES = {
     2: {
@@ -82,6 +110,7 @@ CASES = {
             {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, **TOKENS},
             "refuse-packed",
         ),
+        "unhonoured-override": ("llama", {"num_key_value_heads": 2}, "unhonoured"),
     },
     4: {
         "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),  # each kv head shared by 2 ranks
@@ -91,7 +120,19 @@ CASES = {
         "mlp-90": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "error"),
         "phi3-packed-gqa": ("phi3", {"num_key_value_heads": 2, **TOKENS}, "packed"),  # kv head shared by 2 ranks
     },
+    "2-mla": {  # N=2, a launch of its own (each launch has its own LAUNCH_TIMEOUT)
+        # MLA: layer 0 dense (merged gate_up_proj), layer 1 MoE (experts + shared experts); q_lora_rank set (merged
+        # fused_qkv_a_proj) and None (q_proj and a plain kv_a_proj_with_mqa). deepseek_v3's config plan shards the
+        # MLPs only, deepseek_v2's the attention too (q_b/kv_b by heads, o_proj by rows, a-projections replicated).
+        "mla-v3": ("deepseek_v3", {**MLA, "q_lora_rank": 24}, "mla"),
+        "mla-v3-no-q-lora": ("deepseek_v3", {**MLA, "q_lora_rank": None}, "mla"),
+        "mla-v2": ("deepseek_v2", {**MLA, "q_lora_rank": 24}, "mla"),
+        "mla-v2-no-q-lora": ("deepseek_v2", {**MLA, "q_lora_rank": None}, "mla"),
+        "mla-v2-all-moe": ("deepseek_v2", {**MLA, "q_lora_rank": 24, "first_k_dense_replace": 0}, "mla"),
+    },
 }
+WORLD_SIZES = {"2-mla": 2}
+"""The world size of a launch whose key in CASES is not its world size."""
 ERRORS = {
     "heads-3": "num_attention_heads=3 is not divisible by N",
     "kv-heads-3": "num_key_value_heads=3 neither divisible by nor dividing N",
@@ -100,6 +141,7 @@ ERRORS = {
     "phi3-packed-heads-3": "num_attention_heads=3 is not divisible by N",
     "phi3-packed-kv-3": "num_key_value_heads=3 neither divisible by nor dividing N",
     "falcon-packed-1-group": "cannot be split over N=2 tensor-parallel processes (1 is not divisible by 2)",
+    "unhonoured-override": "(layers.0.self_attn.o_proj): the 'fusegen_merged_colwise' rule cannot be honoured",
 }
 
 
@@ -339,7 +381,99 @@ def _packed_grads(model_type, path):
     return {"grad_max_diff": max(diffs), "packed_grad_max": packed_grad, "parameters": len(diffs)}
 
 
+def _built_classes(model_type, path):
+    """`(original, fused)` causal LM classes; the fused one from the checked-in file or, for `BUILT` types, from the
+    file the launcher built next to the checkpoints."""
+    if model_type not in BUILT:
+        return _classes(model_type)
+    from tests.test_strict_loading import import_file
+
+    _, original_class = original_classes(model_type)
+    module = import_file(Path(path).parent / "built" / f"fused_{model_type}.py", f"tp_built_fused_{model_type}")
+    return original_class, getattr(module, "Fused" + original_class.__name__)
+
+
+def _mapped_grad(name, fused, reference, stacked):
+    """The single-process original's gradient for fused parameter `name`: its own, or its pieces' stacked in row
+    order (read off the file's STACKED_PARAMS_MAPPING, independently of the runtime's loader)."""
+    if name in reference:
+        return reference[name]
+    path, _, leaf = name.rpartition(".")
+    owner, _, merged = path.rpartition(".")
+    return torch.cat([reference[f"{owner}.{piece}.{leaf}"] for piece, _ in stacked[merged]])
+
+
+def _mla(model_type, path):
+    """The tensor-parallel fused MLA model against the single-process ORIGINAL: logits, greedy tokens (dynamic and
+    static cache), and the gradient of every parameter, gathered, against the original's (merged ones against their
+    pieces'), relative to the largest gradient (validation's rule, fusegen/compiler/validate.py)."""
+    import sys
+
+    original_class, fused_class = _built_classes(model_type, path)
+    stacked = sys.modules[fused_class.__module__].STACKED_PARAMS_MAPPING
+    tp = fused_class.from_pretrained(path, tp_plan="auto").eval()
+    original = original_class.from_pretrained(path).eval()
+    input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, expected = tp(input_ids).logits, original(input_ids).logits
+    greedy = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    prompt = input_ids[:1, :5]
+    tokens = tp.generate(prompt, **greedy)
+    result = {
+        "vs_original": (logits - expected).abs().max().item(),
+        "logits_max": expected.abs().max().item(),
+        "bound": logits_tolerance(expected),  # the one logits rule (fusegen/compiler/validate.py)
+        "greedy_original": torch.equal(tokens, original.generate(prompt, **greedy)),
+        "greedy_static": torch.equal(tokens, tp.generate(prompt, cache_implementation="static", **greedy)),
+    }
+    for model in (tp, original):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        model(input_ids, labels=input_ids).loss.backward()
+    reference = {name: p.grad for name, p in original.named_parameters() if p.grad is not None}
+    scale = max(grad.abs().max().item() for grad in reference.values())
+    diffs, missing = {}, []
+    for name, parameter in tp.named_parameters():  # every rank gathers every parameter, in the same order
+        if parameter.grad is None:
+            missing.append(name)
+            continue
+        diffs[name] = (_full(parameter.grad) - _mapped_grad(name, tp, reference, stacked)).abs().max().item() / scale
+    worst = max(diffs, key=diffs.get)
+    attention = tp.model.layers[0].self_attn
+    sharded = {
+        name: [list(p.shape), list(p.to_local().shape)] for name, p in tp.named_parameters() if hasattr(p, "to_local")
+    }
+    result.update(
+        grad_worst=worst,
+        grad_worst_relative=diffs[worst],
+        grad_count=len(diffs),
+        grad_missing=missing,
+        grad_expected=sorted(reference) == sorted(name for name, _ in original.named_parameters()),  # all trained
+        q_lora=attention.q_lora_rank is not None,
+        fused_qkv_a=getattr(attention, "fused_qkv_a_proj", None) is not None,
+        sharded={name: shapes for name, shapes in sharded.items() if shapes[0] != shapes[1]},
+    )
+    return result
+
+
+def _unhonoured(model_type, path):
+    """A plan override giving a plain linear the merged-linear style: refused by name, not applied part-way."""
+    from transformers import DistributedConfig
+
+    _, fused_class = _classes(model_type)
+    override = {"model.layers.*.self_attn.o_proj": MERGED_COLWISE}
+    try:
+        fused_class.from_pretrained(path, distributed_config=DistributedConfig(tp_plan=override))
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def _run_case(model_type, path, how, out):
+    if how == "mla":
+        return _mla(model_type, path)
+    if how == "unhonoured":
+        return _unhonoured(model_type, path)
     if how in ("packed", "refuse-packed"):
         return _packed(model_type, path, how)
     if how == "grads-packed":
@@ -418,6 +552,11 @@ def launch(world_size: int, cases: dict, out_dir: Path, timeout: float = LAUNCH_
 
 def _checkpoints(root: Path, cases: dict) -> dict:
     """Save one random original-class checkpoint per case; the cases as the workers take them."""
+    from fusegen.compiler.build import build
+
+    for model_type in sorted({case[0] for case in cases.values()} & set(BUILT)):
+        (root / "built").mkdir(exist_ok=True)
+        (root / "built" / f"fused_{model_type}.py").write_text(build(model_type).text)
     prepared = {}
     for name, (model_type, overrides, how) in cases.items():
         config_class, original_class = original_classes(model_type)
@@ -446,20 +585,21 @@ def read_bound(path: str, world_size: int, replicated_kv: bool) -> int:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """`launched(N)`: the cases of world size N, run once per module (one launch per N) and then reused."""
+    """`launched(key)`: the cases of `CASES[key]` (world size N = key, or `WORLD_SIZES[key]`), run once per module
+    (one launch per key) and then reused."""
     done = {}
 
-    def get(world_size):
-        if world_size not in done:
-            root = tmp_path_factory.mktemp(f"tp{world_size}")
-            cases = _checkpoints(root, CASES[world_size])
-            done[world_size] = cases, launch(world_size, cases, root)
-        return done[world_size]
+    def get(key):
+        if key not in done:
+            root = tmp_path_factory.mktemp(f"tp{key}")
+            cases = _checkpoints(root, CASES[key])
+            done[key] = cases, launch(WORLD_SIZES.get(key, key), cases, root)
+        return done[key]
 
     return get
 
 
-def _cases(how: str) -> list[tuple[int, str]]:
+def _cases(how: str) -> list[tuple[int | str, str]]:
     return [(n, name) for n, cases in CASES.items() for name, case in cases.items() if case[2].startswith(how)]
 
 
@@ -533,6 +673,40 @@ def test_unshardable_head_counts_fail_with_a_clear_error(launched, world_size, n
         assert result["error"] is not None, "loaded although the heads cannot be split"
         assert ERRORS[name] in result["error"] and f"N={world_size}" in result["error"], result["error"]
         assert path in result["error"], result["error"]  # names the model
+
+
+@pytest.mark.parametrize(("key", "name"), _cases("mla"))
+def test_mla_tp_matches_the_single_process_original(launched, key, name):
+    """Fused DeepSeek MLA under tensor parallelism: the original's logits, greedy tokens and every gradient, with the
+    attention sharded as the config's plan says (deepseek_v2: q_b_proj or q_proj, kv_b_proj by heads, o_proj by
+    rows, fused_qkv_a_proj and the norms replicated; deepseek_v3: attention replicated) and the MLPs sharded."""
+    (model_type, _, _), per_rank = _results(launched, key, name)
+    overrides = CASES[key][name][1]
+    for rank, result in enumerate(per_rank):
+        print(f"N={WORLD_SIZES[key]} {name} rank {rank}: {json.dumps(result)}")
+        assert result["vs_original"] <= result["bound"] and result["logits_max"] > 0.1, result
+        assert result["greedy_original"] and result["greedy_static"], result
+        assert not result["grad_missing"] and result["grad_expected"], result
+        assert result["grad_worst_relative"] <= GRAD_TOLERANCE, result
+        assert result["q_lora"] is result["fused_qkv_a"] is (overrides["q_lora_rank"] is not None), result
+        sharded = {name.split(".", 3)[-1] for name in result["sharded"]}  # e.g. "self_attn.q_b_proj.weight"
+        attention = {name.partition(".")[2] for name in sharded if name.startswith("self_attn.")}
+        if model_type == "deepseek_v2":
+            q = "q_b_proj" if overrides["q_lora_rank"] is not None else "q_proj"
+            assert attention == {f"{q}.weight", "kv_b_proj.weight", "o_proj.weight"}, attention
+        else:
+            assert attention == set(), attention  # DeepseekV3Config.base_model_tp_plan has no attention rules
+        mlp = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.shared_experts.gate_up_proj.weight"}
+        if overrides["first_k_dense_replace"]:
+            mlp |= {"mlp.gate_up_proj.weight", "mlp.down_proj.weight"}
+        assert mlp <= sharded, sharded
+
+
+def test_an_unhonourable_plan_override_is_refused_by_name(launched):
+    (_, path, _), per_rank = _results(launched, 2, "unhonoured-override")
+    for result in per_rank:
+        assert result["error"] is not None, "a plain linear was given the merged-linear style"
+        assert ERRORS["unhonoured-override"] in result["error"] and path in result["error"], result["error"]
 
 
 def _packed_rows(model_type, overrides, world_size):
@@ -623,6 +797,43 @@ def test_generated_plan_fuses_the_config_plan():
     }
     derived, _ = fused_plan_from(LlamaConfig.base_model_tp_plan, STACKED_PARAMS_MAPPING, {"qkv_proj": ["self_attn"]})
     assert derived == TP_PLAN
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ({"layers.*.self_attn.o_proj": MERGED_COLWISE}, "Linear is not a merged linear"),
+        ({"layers.*.mlp": LOCAL_HEADS}, "FusedLlamaMLP holds no single merged q/k/v linear"),
+        ({"layers.*": LOCAL_HEADS}, "FusedLlamaDecoderLayer has no config.num_attention_heads"),
+    ],
+)
+def test_a_plan_rule_that_cannot_be_honoured_names_the_module(rule, message):
+    model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2)).model
+    check_plan_honoured(model, TP_PLAN, STACKED_PARAMS_MAPPING)  # the file's own plan is honoured
+    path = next(iter(rule)).replace("*", "0")
+    with pytest.raises(ValueError, match=message) as raised:
+        check_plan_honoured(model, {**TP_PLAN, **rule}, STACKED_PARAMS_MAPPING)
+    assert f"({path}): the tensor-parallel rule" in str(raised.value), raised.value
+
+
+def test_the_mla_style_on_a_merged_linear_needs_the_rope_piece_last():
+    """`mla_kv_a_proj` all-reduces the gradient of the output's last qk_rope_head_dim columns: on fused_qkv_a_proj
+    that is right only while kv_a_proj_with_mqa (the piece the config's plan gives that style) is the last piece."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    from generated.fused_deepseek_v3 import STACKED_PARAMS_MAPPING as MLA_STACKED
+    from generated.fused_deepseek_v3 import FusedDeepseekV3ForCausalLM
+
+    model = FusedDeepseekV3ForCausalLM(small_config(DeepseekV3Config, **MLA, q_lora_rank=24)).model
+    model.config.base_model_tp_plan = DeepseekV2Config.base_model_tp_plan  # one that gives kv_a_proj_with_mqa it
+    rule = {"layers.*.self_attn.fused_qkv_a_proj": MLA_KV_A}
+    check_plan_honoured(model, rule, MLA_STACKED)
+    reordered = {**MLA_STACKED, "fused_qkv_a_proj": [("kv_a_proj_with_mqa", 0), ("q_a_proj", 1)]}
+    with pytest.raises(ValueError, match=r"\(layers.0.self_attn.fused_qkv_a_proj\).*last piece \(q_a_proj\)"):
+        check_plan_honoured(model, rule, reordered)
+    model.config.base_model_tp_plan = {}  # no piece has the style: nothing says where the rope columns are
+    with pytest.raises(ValueError, match="last output columns are not the rope key's"):
+        check_plan_honoured(model, rule, MLA_STACKED)
 
 
 def test_plan_is_refused_for_pieces_that_are_not_colwise():

@@ -156,3 +156,16 @@ def test_check_fails_when_a_checked_in_file_no_longer_validates(monkeypatch, tmp
     assert main(["build", "--check", "llama", "--output-dir", str(tmp_path)]) == 1
     captured = capsys.readouterr()
     assert "validation-mismatch" in captured.out and "is stale" in captured.err
+
+
+def test_the_one_logits_rule_scales_with_the_logits_and_never_drops_below_tolerance():
+    """`logits_tolerance` (re-exported by the test kit) is what validation, the tests and the benches hold logits to."""
+    from fusegen.compiler.validate import _logits_diff, _Mismatch
+    from fusegen.testkit import logits_tolerance
+
+    assert logits_tolerance(torch.tensor([0.25, -0.5])) == TOLERANCE
+    assert logits_tolerance(torch.tensor([[1.0, -4.0]])) == 4 * TOLERANCE
+    expected = torch.tensor([4.0, -1.0])
+    assert _logits_diff(expected, expected + 3.9 * TOLERANCE, "x") == pytest.approx(3.9 * TOLERANCE, rel=1e-2)
+    with pytest.raises(_Mismatch, match="> 4e-05"):
+        _logits_diff(expected, expected + 4.1 * TOLERANCE, "x")

@@ -23,6 +23,13 @@ and only where two arguments agree.
    applies it (its dtype, its broadcasting, before or after the cast), and the reduction is the original's last
    dimension whatever the weight's shape. Anything outside the vocabulary or the form is refused with a rule id:
    a false alarm costs a fusion, a miss returns wrong numbers.
+
+   eps is the one value whose meaning the rewrite changes (the original adds it, the kernel takes it as an
+   argument), and it comes from the config, so the kernel runs only while `self.<eps>` is a Python float; for any
+   other value (`None`, on which the original raises and the kernel would use its own default, an int, a tensor)
+   the original statements, always kept below the guard, run. Every other attribute the term reads (weights,
+   numbers such as an offset) is emitted as the same operation on the same attribute, so whatever a config puts
+   there does to the rewrite exactly what it does to the original.
 2. **Validation by execution** (`check_exact`). The kernel identities above are facts about the installed torch on
    this CPU, so they are checked, not assumed: the original and the rewritten forward run on one instance with
    random parameters, several norm sizes (odd ones too), batch shapes (incl. per-head 4-d inputs and a strided
@@ -390,19 +397,27 @@ def _uses_input_outside(term: Term, n: Term) -> bool:
 
 
 def rewrite_forward(forward: ast.FunctionDef, plan: NormPlan) -> None:
-    """Rewrite `forward` (the class's own statement, in place) to call the kernel; see the module docstring."""
+    """Rewrite `forward` (the class's own statement, in place) to call the kernel under a guard, keeping the
+    original statements below it for whatever the guard does not admit; see the module docstring.
+
+    The guard admits a float eps only (`type(self.<eps>) is float`): eps comes from the config, and the kernel gives
+    a value the original does not for the others. `eps=None` (a config without `rms_norm_eps`) makes the original
+    raise a TypeError where the kernel would silently use its own default eps (the dtype's machine epsilon); an int,
+    a bool, a numpy scalar or a tensor are not what `check_exact` executed (a float eps is: the instance's own,
+    1e-6 and 0.5, with the int 1 to run the fallback). The guard costs one type check per call.
+    """
     x, n = plan.input_name, normalised(plan.eps)
     kwargs = f"{x}.shape[-1:], eps=self.{plan.eps}"
+    condition = f"type(self.{plan.eps}) is float"
     if plan.style == "cast-then-weight":
         fast = _emit(plan.term, {_term("cast_x", n): f"{KERNEL}({x}, {kwargs})"}, x)
         dtypes = ", ".join(f"torch.{name}" for name in HALF_EXACT_DTYPES)
-        guard = ast.parse(f"if {x}.dtype in ({dtypes}):\n    return {fast}").body[0]
-        docstring = forward.body[:1] if _is_docstring(forward.body[0]) else []
-        forward.body = docstring + [guard] + forward.body[len(docstring) :]
+        condition = f"{condition} and {x}.dtype in ({dtypes})"
     else:
-        body = _emit(plan.term, {n: f"{KERNEL}({x}.to(torch.float32), {kwargs})"}, x)
-        docstring = forward.body[:1] if _is_docstring(forward.body[0]) else []
-        forward.body = docstring + [ast.parse(f"return {body}").body[0]]
+        fast = _emit(plan.term, {n: f"{KERNEL}({x}.to(torch.float32), {kwargs})"}, x)
+    guard = ast.parse(f"if {condition}:\n    return {fast}").body[0]
+    docstring = forward.body[:1] if _is_docstring(forward.body[0]) else []
+    forward.body = docstring + [guard] + forward.body[len(docstring) :]
     ast.fix_missing_locations(forward)
 
 
@@ -453,8 +468,9 @@ BATCH_SHAPES = ((), (3,), (2, 5), (2, 3, 4))
 """Leading shapes of the input: a vector, tokens, batch x tokens, batch x tokens x heads (per-head q/k norms)."""
 SCALES = (1e-3, 1.0, 50.0)
 """Input magnitudes: near eps, unit, large; each tried with every `EPS_VALUES` on one batch shape."""
-EPS_VALUES = (None, 1e-6, 0.5)
-"""The instance's eps, a typical one and a large one (an eps added in the wrong place shows at 0.5)."""
+EPS_VALUES = (None, 1e-6, 0.5, 1)
+"""The instance's eps, a typical one, a large one (an eps added in the wrong place shows at 0.5) and an int one (which
+the rewrite's guard hands to the original statements)."""
 DTYPES = (
     ("float32", torch.float32, torch.float32),
     ("bfloat16", torch.bfloat16, torch.bfloat16),
@@ -472,7 +488,7 @@ def _cases(norm_shape: tuple, generator: torch.Generator):
     for scale in SCALES:
         for eps in EPS_VALUES:
             x = torch.randn((2, 5, *norm_shape), generator=generator) * scale
-            yield x, eps, f"input (2, 5, {norm_shape}) x{scale}, eps {eps or 'own'}"
+            yield x, eps, f"input (2, 5, {norm_shape}) x{scale}, eps {'own' if eps is None else repr(eps)}"
     wide = torch.randn((2, 3, 3 * norm_shape[-1]), generator=generator)
     yield wide[..., norm_shape[-1] : 2 * norm_shape[-1]], None, "a strided view (a split merged projection)"
 

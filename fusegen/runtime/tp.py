@@ -17,6 +17,12 @@ The pieces, for a generated file with a `TP_PLAN`:
   `ValueError` that names the model, the sizes and N, and sets the module's head counts to this process's.
 - `MergedColumnParallel` (on each merged linear) replaces its weight and bias by this process's rows of each piece,
   sets `output_sizes` to the local piece sizes (the generated forward splits by it), and keeps inputs and outputs local.
+- `check_plan_honoured` runs before anything is sharded: a fused rule matching a module it cannot work on (the
+  merged style on a plain linear, local heads on a module without a merged q/k/v, MLA's `mla_kv_a_proj` on a merged
+  linear whose last piece is not the rope-carrying one) raises a `ValueError` naming the model, the module and the
+  rule. DeepSeek MLA needs no style of its own: its config's plan replicates the low-rank a-projections (merged into
+  `fused_qkv_a_proj`, which keeps `mla_kv_a_proj`: the rope key's gradient is all-reduced, and those columns are
+  still the merged output's last), splits q_b/kv_b by heads and o_proj by rows, and replicates the norms.
 
 The merged parameters' placement, `MergedRowShard`, says what each process holds (its rows of every piece), so
 `full_tensor()`, gradients and saving see the true merged weight; `model.state_dict()` lists the canonical pieces as
@@ -33,6 +39,7 @@ This module is imported when a fused model is first built, not when a generated 
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -218,6 +225,11 @@ class MergedColumnParallel(TensorParallelLayer):
         tensor = module._parameters.get(param)
         if tensor is None:
             return
+        if getattr(module, "output_sizes", None) is None:  # a user's plan override naming a plain module
+            raise ValueError(
+                f"{_model_name(module)}: the {MERGED_COLWISE!r} rule cannot be honoured: {type(module).__name__} is "
+                f"not a merged linear (it has no output_sizes to split piece by piece)"
+            )
         partition = _partition(module, mesh)
         module._parameters[param] = nn.Parameter(
             _local_dtensor(tensor, partition, mesh), requires_grad=tensor.requires_grad
@@ -601,17 +613,88 @@ def init_fused_parallel_plans(model: PreTrainedModel, tp_plan: Mapping[str, str]
     register_styles()
     model._tp_plan = fused_tp_plan(model._tp_plan or {}, model.config.base_model_tp_plan, tp_plan)
     if requested:
-        use_partitioned_concatenate(type(model).__name__)
         stacked = getattr(sys.modules.get(type(model).__module__), "STACKED_PARAMS_MAPPING", None) or {}
-        for path, module in model.named_modules():  # merged linears have no config to name the model in errors
+        check_plan_honoured(model, tp_plan, stacked)
+        use_partitioned_concatenate(type(model).__name__)
+        for path, module in model.named_modules():  # modules have no path (linears no config) to name in errors
+            module.tp_name = f"{_model_label(model.config)} ({path})"
             if getattr(module, "output_sizes", None) is not None:
-                module.tp_name = f"{_model_label(model.config)} ({path})"
                 pieces = stacked.get(path.rpartition(".")[2])
                 if pieces:  # canonical names for distributed checkpoints, see _canonical_state_dict
                     module.tp_piece_names = [
                         piece[0] if isinstance(piece, (tuple, list)) else piece for piece in pieces
                     ]
         _register_canonical_hooks(model)
+
+
+def _generic(path: str) -> str:
+    """A module path as plan rules name it: layer numbers replaced by `*` (`layers.0.mlp` -> `layers.*.mlp`)."""
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", path)
+
+
+def _rule_for(path: str, plan: Mapping[str, str]) -> tuple[str, str] | None:
+    generic = _generic(path)
+    return (generic, plan[generic]) if generic in plan else None
+
+
+def check_plan_honoured(model: nn.Module, plan: Mapping[str, str], stacked: Mapping[str, Sequence[Any]]) -> None:
+    """Raise `ValueError` naming the model, the module and the rule when a fused rule of `plan` cannot do what it says
+    for the module it matches in this model (this config); run before anything is sharded.
+
+    A rule that matches no module is left alone: the generated plan holds for every config of the model type, and a
+    module built only under some configs (`fused_qkv_a_proj` when `q_lora_rank` is None) is simply absent here.
+    A rule that matches the wrong kind of module is not: applied anyway it would crash part-way (the styles assume
+    a merged linear or an attention holding one), or, for MLA, all-reduce the gradient of columns that are not the
+    rope columns, which trains silently wrong. The checks, per style:
+
+    - `fusegen_merged_colwise`: the module is a merged linear (it has `output_sizes` to split piece by piece);
+    - `fusegen_local_heads`: the module has a config with `num_attention_heads` and holds exactly one merged linear
+      whose pieces are q, k and v by their widths;
+    - `mla_kv_a_proj` on a merged linear: its LAST piece (in `stacked`, the file's mapping) is the projection the
+      config's `base_model_tp_plan` gives that style (the one whose own last `qk_rope_head_dim` columns are the rope
+      key), and that piece is wider than those columns.
+    """
+    config = getattr(model, "config", None)
+    label = _model_label(config)
+    for path, module in model.named_modules():
+        found = _rule_for(path, plan) if path else None
+        if found is None:
+            continue
+        rule, style = found
+        problem = _why_not_honoured(module, path, style, stacked, config)
+        if problem:
+            raise ValueError(
+                f"{label} ({path}): the tensor-parallel rule {rule!r}: {style!r} cannot be honoured: {problem}"
+            )
+
+
+def _why_not_honoured(module, path, style, stacked, config) -> str | None:
+    """Why `style` cannot do its job on `module` (at `path`), or None; see `check_plan_honoured`."""
+    sizes = getattr(module, "output_sizes", None)
+    if style == MERGED_COLWISE and sizes is None:
+        return f"{type(module).__name__} is not a merged linear (it has no output_sizes to split piece by piece)"
+    if style == LOCAL_HEADS:
+        heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+        if not isinstance(heads, int):
+            return f"{type(module).__name__} has no config.num_attention_heads to share between the processes"
+        kv_heads = getattr(module.config, "num_key_value_heads", None) or heads
+        wanted = _qkv_sizes(module, heads, kv_heads)
+        if sum(list(getattr(child, "output_sizes", [])) == wanted for child in module.children()) != 1:
+            return f"{type(module).__name__} holds no single merged q/k/v linear with output_sizes={wanted}"
+    if style == MLA_KV_A and sizes is not None:
+        owner, _, attribute = path.rpartition(".")
+        pieces = [piece[0] if isinstance(piece, (tuple, list)) else piece for piece in stacked.get(attribute, ())]
+        rope = getattr(config.get_text_config(), "qk_rope_head_dim", None) if config is not None else None
+        config_plan = getattr(config, "base_model_tp_plan", None) or {}
+        last = pieces[-1] if pieces else None
+        if last is None or config_plan.get(_generic(f"{owner}.{last}" if owner else last)) != MLA_KV_A:
+            return (
+                f"its last piece ({last}) is not the projection the config's plan gives {MLA_KV_A!r}, so its last "
+                f"output columns are not the rope key's"
+            )
+        if isinstance(rope, int) and sizes[-1] <= rope:
+            return f"its last piece has {sizes[-1]} rows, not more than qk_rope_head_dim={rope}"
+    return None
 
 
 def fused_plan_from(
