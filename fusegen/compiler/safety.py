@@ -187,13 +187,33 @@ def _call_may_alias(call: ast.Call, tracked: set[str], module: nn.Module) -> boo
         return False  # a linear writes its result into new storage (unless a hook hands back something else)
     if isinstance(func, ast.Attribute) and (func.attr in METADATA_METHODS or func.attr in FRESH_METHODS):
         return False
+    if isinstance(func, ast.Attribute) and func.attr in PURE_METHODS and linear_output(func.value, module):
+        return False  # a view of, or new storage made from, the linear's new storage (`self.q_b_proj(q).view(s)`)
     operands = [func, *call.args, *(keyword.value for keyword in call.keywords)]
     return any(may_alias(operand, tracked, module) for operand in operands)
 
 
 def _plain_linear(child: object) -> bool:
-    """An exact, hook-free `nn.Linear`: its output is new storage."""
-    return type(child) is nn.Linear and not module_hooks(child) and not global_hooks()
+    """An exact, hook-free `nn.Linear` without an instance-level `forward`: its output is new storage."""
+    if type(child) is not nn.Linear or module_hooks(child) or global_hooks():
+        return False
+    return "forward" not in vars(child) and "__call__" not in vars(child)
+
+
+def linear_output(expr: ast.expr, module: nn.Module) -> bool:
+    """Is `expr` the result of calling a plain linear child (`self.q_b_proj(q_resid)`)?
+
+    Such a value is a tensor in new storage that nothing else references:
+    `nn.Linear.forward` returns `F.linear(input, weight, bias)` and keeps
+    nothing (`_plain_linear` rules out hooks, subclasses and instance-level
+    forwards). So calling a `PURE_METHODS` method on it writes neither it nor
+    the method's arguments, keeps no reference to them, and returns a view of
+    it, new storage or a non-tensor, never an argument or a view of one.
+    What the child is comes from the instantiated module, as for
+    `pure_module`; a child built as another class in another config is
+    judged when that config is built (`fusegen.compiler.validate`).
+    """
+    return isinstance(expr, ast.Call) and self_attr(expr.func) and _plain_linear(getattr(module, expr.func.attr, None))
 
 
 def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace: dict | None = None) -> set[str]:
@@ -268,6 +288,8 @@ def _keeps_no_reference(call: ast.Call, tracked: set[str], module: nn.Module, na
         name = func.attr
         in_place = name.endswith("_") and not name.endswith("__") and name != "set_"
         return name in PURE_METHODS or name in INPLACE_DUNDERS or in_place
+    if isinstance(func, ast.Attribute) and func.attr in PURE_METHODS and linear_output(func.value, module):
+        return True  # a pure method of a linear's output (`self.q_b_proj(q).view(shape)`): a tensor method
     return False
 
 
@@ -519,7 +541,10 @@ def judge_call(
     if isinstance(func, ast.Attribute):
         resolved = resolve(func, namespace, local)
         if resolved is _UNRESOLVED:
-            return _judge_method(call, func, may_alias(func.value, tracked, module), args_alias, text)
+            receiver = "alias" if may_alias(func.value, tracked, module) else None
+            if receiver is None and linear_output(func.value, module):
+                receiver = "tensor"
+            return _judge_method(call, func, receiver, args_alias, text)
         return _judge_function(resolved, call, text) if args_alias else None
     if isinstance(func, ast.Name):
         if may_alias(func, tracked, module):
@@ -537,15 +562,17 @@ def judge_call(
 
 
 def _judge_method(
-    call: ast.Call, func: ast.Attribute, receiver_alias: bool, args_alias: bool, text: str
+    call: ast.Call, func: ast.Attribute, receiver: str | None, args_alias: bool, text: str
 ) -> Refused | None:
     """A method of a local value: only allowlisted tensor methods may be called on, or handed, an alias.
 
-    The receiver is a tensor only when it is an alias of the input (the
-    input is a tensor, and `check_no_opaque_aliases` keeps every other alias
-    a tensor view): handed an alias, a method of any other object is unknown.
+    `receiver` is "alias" if the receiver may alias the input, "tensor" if it
+    is a plain linear's output (`linear_output`), else None. The receiver is
+    known to be a tensor only in those two cases (the input is a tensor, and
+    `check_no_opaque_aliases` keeps every other alias a tensor view): handed an
+    alias, a method of any other object is unknown.
     """
-    if not (receiver_alias or args_alias):
+    if not (receiver == "alias" or args_alias):
         return None
     name = func.attr
     if name.startswith("__") and name.endswith("__") and name not in PURE_METHODS:
@@ -553,7 +580,7 @@ def _judge_method(
         return Refused(rule, f"`{text}` calls the dunder `{name}` on the projection input", call)
     if name.endswith("_") and not name.endswith("__"):
         return Refused("inplace-call", f"`{text}` writes the projection input in place", call)
-    if not receiver_alias:
+    if receiver is None:
         return Refused("impure-call", f"`{text}` hands the projection input to a method of an unknown object", call)
     if name not in PURE_METHODS:
         return Refused("impure-call", f"`{text}` is not a tensor method known to leave its operands intact", call)

@@ -1,0 +1,108 @@
+"""False alarms of the input-stability rules that the Transformers MLA and hybrid attentions hit, and the hazards
+next to each that must stay refused.
+
+Each precision added to `fusegen.compiler.safety` gets a pair of cases built through the fuzzer's harness
+(`fusegen.tools.fuzz.Harness`: the toy block compiled by the real pipeline, original and fused layers run on the
+same weights and input): the false alarm now fuses and computes the same, and a hazard that differs only in the
+fact the precision relies on is still refused; with that fact no longer checked (the guard loosened by a
+monkeypatch) the hazard fuses and computes something else, so the guard is what keeps it out.
+"""
+
+import ast
+
+import pytest
+from torch import nn
+
+from fusegen.compiler import safety
+from fusegen.compiler.astutil import self_attr
+from fusegen.tools import fuzz
+from fusegen.tools.fuzz import INIT, Case, Harness
+
+Q, K, V = "q = self.q_proj(x)", "k = self.k_proj(x)", "v = self.v_proj(x)"
+
+HELPERS = '''
+class Writer:
+    """Not a tensor: its `view_as` writes what it is handed, its `expand_as` hands it back."""
+
+    def view_as(self, t):
+        t.mul_(2)
+        return t
+
+    def expand_as(self, t):
+        return t
+
+
+class Maker(nn.Module):
+    """A user module whose output is a `Writer`."""
+
+    def forward(self, n):
+        return Writer()
+'''
+
+OUT_INIT = INIT + "        self.o = nn.Linear(16, 16, bias=False)\n        self.maker = Maker()\n"
+WRITER_HOOK = "        self.block.o.register_forward_hook(lambda m, i, o: Writer())"
+
+
+@pytest.fixture
+def harness(tmp_path, monkeypatch):
+    monkeypatch.setitem(fuzz.SETUPS, "writers", (HELPERS, ""))
+    monkeypatch.setitem(fuzz.SETUPS, "writer_hook", (HELPERS, WRITER_HOOK))
+    with Harness(tmp_path, "escape_cases") as harness:
+        yield harness
+
+
+def assert_fused_and_same(result):
+    assert result.fused, f"still refused: {result.rules}"
+    assert result.invalid is None and result.miscompile is None, result
+
+
+def assert_refused_then_miscompiled(harness, monkeypatch, case, rule, loosened):
+    """`case` is refused by `rule`; with `safety.linear_output` replaced by `loosened` it fuses and differs."""
+    kept = harness.check(case)
+    assert not kept.fused and rule in kept.rules, kept
+    assert kept.invalid is None, kept
+    monkeypatch.setattr(safety, "linear_output", loosened)
+    loose = harness.check(case)
+    assert loose.fused, f"with the guard loosened the case is still refused: {loose}"
+    assert loose.miscompile, f"with the guard loosened the fused case still computes the same: {loose}"
+
+
+# --- a pure tensor method of a plain linear's output (MLA: `self.q_b_proj(q_resid).view(query_shape)`) ---
+
+
+def test_pure_method_of_a_linear_output_handed_an_alias_fuses(harness):
+    # the receiver is new storage from a plain nn.Linear: `view_as(x)` reads x's shape and keeps nothing
+    assert_fused_and_same(harness.check(Case((Q, "q = q + self.o(q).view_as(x)", K, V), "writers", OUT_INIT)))
+
+
+def test_view_of_a_linear_output_is_not_an_alias(harness):
+    # `w` is a view of the linear's new storage, not of x (the shape argument is not aliased): writing it is safe
+    case = Case((Q, "w = self.o(q).view_as(x)", "w.mul_(2)", "q = q + w", K, V), "writers", OUT_INIT)
+    assert_fused_and_same(harness.check(case))
+
+
+def _any_submodule_call(expr, module):
+    return isinstance(expr, ast.Call) and self_attr(expr.func)
+
+
+def _any_exact_linear_call(expr, module):
+    return isinstance(expr, ast.Call) and self_attr(expr.func) and type(getattr(module, expr.func.attr, None)) is nn.Linear
+
+
+def test_method_of_a_user_module_output_is_still_refused(harness, monkeypatch):
+    # `Maker`'s output is not a tensor: its `view_as` writes x between the projections
+    case = Case((Q, "self.maker(0).view_as(x)", K, V), "writers", OUT_INIT)
+    assert_refused_then_miscompiled(harness, monkeypatch, case, "input-escapes", _any_submodule_call)
+
+
+def test_method_of_a_hooked_linear_output_is_still_refused(harness, monkeypatch):
+    # a forward hook on `o` replaces its output with a `Writer` (refused first because `q`, handed to the
+    # `Writer`'s method with x, may hold x afterwards)
+    case = Case((Q, "self.o(q).view_as(x)", K, V), "writer_hook", OUT_INIT)
+    assert_refused_then_miscompiled(harness, monkeypatch, case, "opaque-alias", _any_exact_linear_call)
+
+
+def test_alias_through_a_user_module_output_is_still_tracked(harness, monkeypatch):
+    # `Writer.expand_as` hands x back: `w` is x, and `w.mul_(2)` writes it
+    case = Case((Q, "w = self.maker(0).expand_as(x)", "w.mul_(2)", K, V), "writers", OUT_INIT)
+    assert_refused_then_miscompiled(harness, monkeypatch, case, "input-escapes", _any_submodule_call)
