@@ -96,13 +96,71 @@ def test_method_of_a_user_module_output_is_still_refused(harness, monkeypatch):
 
 
 def test_method_of_a_hooked_linear_output_is_still_refused(harness, monkeypatch):
-    # a forward hook on `o` replaces its output with a `Writer` (refused first because `q`, handed to the
-    # `Writer`'s method with x, may hold x afterwards)
+    # a forward hook on `o` replaces its output with a `Writer`
     case = Case((Q, "self.o(q).view_as(x)", K, V), "writer_hook", OUT_INIT)
-    assert_refused_then_miscompiled(harness, monkeypatch, case, "opaque-alias", _any_exact_linear_call)
+    assert_refused_then_miscompiled(harness, monkeypatch, case, "impure-call", _any_exact_linear_call)
 
 
 def test_alias_through_a_user_module_output_is_still_tracked(harness, monkeypatch):
     # `Writer.expand_as` hands x back: `w` is x, and `w.mul_(2)` writes it
     case = Case((Q, "w = self.maker(0).expand_as(x)", "w.mul_(2)", K, V), "writers", OUT_INIT)
     assert_refused_then_miscompiled(harness, monkeypatch, case, "input-escapes", _any_submodule_call)
+
+
+# --- an opaque alias read before it becomes one (kimi: `h = apply_mask_to_padding_states(h, attention_mask)`) ---
+
+OPAQUE_HELPERS = '''
+def mask_padding(t, mask):
+    """Stands for Transformers' `apply_mask_to_padding_states`: a function the rules cannot see into."""
+    return t if mask is None else t * mask
+'''
+
+
+@pytest.fixture
+def opaque_harness(tmp_path, monkeypatch):
+    monkeypatch.setitem(fuzz.SETUPS, "mask_padding", (OPAQUE_HELPERS, ""))
+    with Harness(tmp_path, "opaque_cases") as harness:
+        yield harness
+
+
+def test_name_read_only_as_the_operand_that_makes_it_opaque_fuses(opaque_harness):
+    # `m` may hold x only after `mask_padding` ran, and it is never read again
+    case = Case(("m = None", "x = mask_padding(x, m)", Q, K, V), "mask_padding")
+    assert_fused_and_same(opaque_harness.check(case))
+
+
+def test_name_made_opaque_after_the_projections_fuses(opaque_harness):
+    # `s` is handed to `mask_padding` with x only after the last projection: the region reads the int
+    case = Case(("s = x.shape[0]", Q, "q = q * s", K, V, "n = mask_padding(x, s)"), "mask_padding")
+    assert_fused_and_same(opaque_harness.check(case))
+
+
+def test_opaque_alias_read_after_it_is_made_is_still_refused(opaque_harness, monkeypatch):
+    # `obj` holds x inside a `Box`, whose `view` writes it, from its binding on: the read in the region comes later
+    case = Case(("obj = Box(x)", Q, "obj.view()", K, V), "mask_padding")
+    kept = opaque_harness.check(case)
+    assert not kept.fused and "opaque-alias" in kept.rules, kept
+    monkeypatch.setattr(safety, "_read_first", lambda read, maker, funcdef, parent_of: True)
+    loose = opaque_harness.check(case)
+    assert loose.fused and loose.miscompile, loose
+
+
+def test_read_before_its_maker_in_a_loop_is_still_refused(opaque_harness, monkeypatch):
+    # the second iteration's `u = t` reads the `Box` the first one made, though it stands on an earlier line
+    loop = "t = None\nfor _ in range(2):\n    u = t\n    t = Box(x)"
+    case = Case((loop, Q, "u.view()", K, V), "mask_padding")
+    kept = opaque_harness.check(case)
+    assert not kept.fused and "opaque-alias" in kept.rules, kept
+    monkeypatch.setattr(safety, "_in_loop_or_scope", lambda node, funcdef, parent_of: False)
+    loose = opaque_harness.check(case)
+    assert loose.fused and loose.miscompile, loose
+
+
+# --- the projections called before a refused statement still merge (Dots, Bailing: `g_proj` after the cache) ---
+
+
+def test_projections_called_before_the_refused_statement_still_merge(opaque_harness):
+    # the block is handed its own state buffer, which `reset_state` zeroes: v must read it after, q and k before
+    result = opaque_harness.check(Case((Q, K, "self.reset_state()", V), "block_state_input"))
+    assert result.fused and "state-method-call" in result.rules, result
+    assert result.invalid is None and result.miscompile is None, result

@@ -42,7 +42,7 @@ import types
 import torch
 from torch import nn
 
-from fusegen.compiler.astutil import self_attr
+from fusegen.compiler.astutil import LOOPS_AND_SCOPES, parents, self_attr
 from fusegen.compiler.plan import Refused
 
 METADATA_ATTRS = frozenset(
@@ -683,36 +683,70 @@ def check_no_opaque_aliases(
     container of tensors): the input is one, and allowlisted tensor code
     returns views. An alias made by anything else (`obj = Helper(x)`,
     `cache.append(x)`, `with ... as h`) may be a user object whose `view`
-    or `__add__` writes the input, or whose `clone()`/`size()` hands it back
+    or `__add__` writes the input, or whose `clone()`/size()` hands it back
     where the analysis assumes fresh storage or an int; so reading it
     before or between the projections is refused. (The input's own names
     hold what `nn.Linear` is handed: a tensor.)
+
+    A read that runs before every call or binding that may make the name
+    such an alias still sees the value the name had before (`_read_first`):
+    `h = mask_padding(h, attention_mask)` reads `attention_mask` as it was
+    passed, and a call after the last projection cannot change what the
+    region reads.
     """
     skip = {id(call) for call in projection_calls}
     local = _local_names(funcdef) - {"self"}
     bound = _aliases(funcdef, names, module, namespace, stash=False)  # aliases by binding: views, or opaque below
-    opaque: dict[str, ast.AST] = {}
+    makers: dict[str, list[ast.AST]] = {}
     for node in ast.walk(funcdef):
         if isinstance(node, ast.Call) and id(node) not in skip:
             for name in _stash_targets(node, tracked, module, namespace, local) - bound:
-                opaque.setdefault(name, node)
+                makers.setdefault(name, []).append(node)
         entered = isinstance(node, ast.withitem) and node.optional_vars is not None
         if entered and may_alias(node.context_expr, tracked, module):
             for name in bound_names(node.optional_vars):
-                opaque.setdefault(name, node.context_expr)
+                makers.setdefault(name, []).append(node.context_expr)
     for targets, value in _bindings(funcdef):
         if not may_alias(value, tracked, module):
             continue
         for call in (n for n in ast.walk(value) if isinstance(n, ast.Call) and id(n) not in skip):
             if _call_may_alias(call, tracked, module) and not _keeps_no_reference(call, tracked, module, namespace):
                 for name in (name for target in targets for name in bound_names(target)):
-                    opaque.setdefault(name, call)
-    hits = {name: node for name, node in opaque.items() if name not in names}
+                    makers.setdefault(name, []).append(call)
+    hits = {name: nodes for name, nodes in makers.items() if name not in names}
     end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    parent_of = parents(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in hits and node.lineno <= end:
-            made = ast.unparse(hits[node.id])
+            if all(_read_first(node, maker, funcdef, parent_of) for maker in hits[node.id]):
+                continue
+            made = ast.unparse(hits[node.id][0])
             yield Refused("opaque-alias", f"`{node.id}` may hold the projection input through `{made}`", node)
+
+
+def _read_first(read: ast.Name, maker: ast.AST, funcdef: ast.FunctionDef, parent_of: dict) -> bool:
+    """Does `read` run before `maker` (a call or a `with` item's expression) every time either runs?
+
+    Only where neither sits in a loop, comprehension or nested scope, so each
+    runs at most once per forward: then `read` runs first if it is part of
+    `maker`'s own operands (evaluated before the call, or before the `with`
+    binds), or if `maker` starts on a later line (outside loops, statements
+    run in line order).
+    """
+    if _in_loop_or_scope(read, funcdef, parent_of) or _in_loop_or_scope(maker, funcdef, parent_of):
+        return False
+    if maker.lineno > read.end_lineno:
+        return True
+    return read is not maker and any(node is read for node in ast.walk(maker))
+
+
+def _in_loop_or_scope(node: ast.AST, funcdef: ast.FunctionDef, parent_of: dict) -> bool:
+    current = parent_of.get(node)
+    while current is not None and current is not funcdef:
+        if isinstance(current, LOOPS_AND_SCOPES):
+            return True
+        current = parent_of.get(current)
+    return False
 
 
 def check_no_state_methods(region: list[ast.stmt], module: nn.Module):
