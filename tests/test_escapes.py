@@ -164,3 +164,57 @@ def test_projections_called_before_the_refused_statement_still_merge(opaque_harn
     result = opaque_harness.check(Case((Q, K, "self.reset_state()", V), "block_state_input"))
     assert result.fused and "state-method-call" in result.rules, result
     assert result.invalid is None and result.miscompile is None, result
+
+
+# --- checkpoint names shared with a projection another fused class keeps (kimi_linear's hybrid layers) ---
+
+
+class _FullAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+
+class _LinearAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.gate_proj, self.up_proj = nn.Linear(4, 4), nn.Linear(4, 6), nn.Linear(4, 6)
+
+
+class _Hybrid(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_FullAttention(), _LinearAttention()])
+
+
+def _conflicts(linear_attention_plan):
+    from fusegen.compiler.plan import ClassOutcome, FusionPlan
+    from fusegen.compiler.vetoes import checkpoint_conflicts
+
+    qkv = FusionPlan("qkv", "qkv_proj", (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)))
+    outcomes = [ClassOutcome("_FullAttention", [qkv]), ClassOutcome("_LinearAttention", [linear_attention_plan])]
+    return checkpoint_conflicts(_Hybrid(), outcomes)
+
+
+def test_a_projection_kept_by_a_class_with_other_fusions_vetoes_the_merge():
+    # the linear attention fuses gate/up but keeps `q_proj`, at the path where the full attention merges its own
+    from fusegen.compiler.plan import FusionPlan
+
+    vetoes = _conflicts(FusionPlan("glu", "gate_up_proj", (("gate_proj", 0), ("up_proj", 1))))
+    veto = vetoes["_FullAttention"]["qkv_proj"]
+    assert veto.rule == "ambiguous-checkpoint-names"
+    assert "layers.1.q_proj" in veto.reason and "qkv_proj" in veto.reason, veto.reason
+
+
+def test_a_projection_merged_away_by_its_own_class_vetoes_nothing():
+    from fusegen.compiler.plan import FusionPlan
+
+    assert _conflicts(FusionPlan("merged_column", "q_gate_proj", (("q_proj", 0), ("gate_proj", 1)))) == {}
+
+
+def test_a_piece_a_conditional_merge_keeps_still_vetoes():
+    # where the merged linear is not built (`FusionPlan.kept`), the piece holds an unfused tensor at its path
+    from fusegen.compiler.plan import FusionPlan
+
+    plan = FusionPlan("merged_column", "q_gate_proj", (("q_proj", 0), ("gate_proj", 1)), kept=("q_proj",))
+    assert "qkv_proj" in _conflicts(plan)["_FullAttention"]

@@ -147,20 +147,36 @@ def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> Veto
     """
     parents = source_parents(model, outcomes)
     fused_classes = {o.class_name: o for o in outcomes if o.fused}
+    merged_away = {name: _merged_away(outcome) for name, outcome in fused_classes.items()}
     conflicts: Vetoes = {}
     for path, module in model.named_modules():
-        if type(module).__name__ in fused_classes:
-            continue
+        own = type(module).__name__
+        kept_here = [name for name, _ in module.named_children() if name not in merged_away.get(own, ())]
         for outcome in fused_classes.values():
+            if outcome.class_name == own:
+                continue
             for plan in outcome.fused:
                 scoped = plan.merged not in parents or path.rpartition(".")[2] in parents[plan.merged]
-                if scoped and any(isinstance(getattr(module, name, None), nn.Module) for name in plan.projections):
+                shared = [name for name in plan.projections if name in kept_here]
+                if scoped and shared:
+                    tensors = ", ".join(f"{path}.{name}" for name in shared)
                     conflicts.setdefault(outcome.class_name, {}).setdefault(
                         plan.merged,
                         Veto(
                             "ambiguous-checkpoint-names",
-                            f"{path} ({type(module).__name__}) keeps unfused projections under the same checkpoint "
-                            "names, so loading could not tell which tensors to merge",
+                            f"{tensors} ({own}) stays unfused under the checkpoint name that "
+                            f"{outcome.class_name} merges into {plan.merged}, so loading could not tell which "
+                            "tensors to merge",
                         ),
                     )
     return conflicts
+
+
+def _merged_away(outcome: ClassOutcome) -> set[str]:
+    """The projections `outcome`'s class no longer has under their own names in any config.
+
+    A class with some fusion still keeps its other projections (Kimi's linear attention fuses q/k/v but keeps
+    `b_proj`), and a conditional merge keeps its always-built pieces where the merged linear is not built
+    (`FusionPlan.kept`); those still hold unfused tensors at their path, so they count as kept.
+    """
+    return {name for plan in merged_linears(outcome.fused) for name in plan.projections if name not in plan.kept}
