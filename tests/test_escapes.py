@@ -113,6 +113,13 @@ OPAQUE_HELPERS = '''
 def mask_padding(t, mask):
     """Stands for Transformers' `apply_mask_to_padding_states`: a function the rules cannot see into."""
     return t if mask is None else t * mask
+
+
+GEN = None
+
+
+def advance():
+    return next(GEN)
 '''
 
 
@@ -218,3 +225,36 @@ def test_a_piece_a_conditional_merge_keeps_still_vetoes():
 
     plan = FusionPlan("merged_column", "q_gate_proj", (("q_proj", 0), ("gate_proj", 1)), kept=("q_proj",))
     assert "qkv_proj" in _conflicts(plan)["_FullAttention"]
+
+
+# --- a generator or closure first used after the projections (Qwen4-Exp: `position_embeddings = (... for x in ...)`) ---
+
+
+def test_generator_advanced_only_after_the_projections_fuses(opaque_harness):
+    case = Case(("pe = (t[:, -x.shape[1] :, :] * 2 for t in [x])", Q, K, V, "(s,) = pe", "q = q + s"), "mask_padding")
+    assert_fused_and_same(opaque_harness.check(case))
+
+
+def test_closure_called_only_after_the_projections_fuses(opaque_harness):
+    case = Case(("def bump():\n    x.add_(1)", Q, K, V, "bump()"), "mask_padding")
+    assert_fused_and_same(opaque_harness.check(case))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        ("gen = (t.mul_(2) for t in [x])", Q, "next(gen)", K, V),  # advanced in the region
+        ("gen = (t.mul_(2) for t in [x])", "again = gen", Q, "next(again)", K, V),  # through another name
+        ("def bump():\n    x.add_(1)", Q, "bump()", K, V),  # called in the region
+        ("def bump():\n    x.add_(1)", "def later():\n    bump()", Q, "later()", K, V),  # called by a closure
+        ("global GEN", "GEN = (t.mul_(2) for t in [x])", Q, "advance()", K, V),  # a global, advanced by a function
+    ],
+    ids=["generator", "renamed_generator", "closure", "closure_through_closure", "global_generator"],
+)
+def test_generator_or_closure_used_in_the_region_is_still_refused(opaque_harness, monkeypatch, body):
+    case = Case(body, "mask_padding")
+    kept = opaque_harness.check(case)
+    assert not kept.fused and "deferred-capture" in kept.rules, kept
+    monkeypatch.setattr(safety, "_unreachable_until", lambda scope, end, funcdef, parent_of: True)
+    loose = opaque_harness.check(case)
+    assert loose.fused and loose.miscompile, loose

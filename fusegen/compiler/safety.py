@@ -429,16 +429,50 @@ def check_no_deferred_capture(funcdef: ast.FunctionDef, region: list[ast.stmt], 
     what it does. Eager comprehensions run where they stand and are checked there.
     """
     end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    parent_of = parents(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
         if isinstance(node, _SCOPES) and node.lineno <= end:
             captured = _loads(node)  # the body, and the defaults and decorators evaluated with it
-            if captured & tracked:
+            if captured & tracked and not _unreachable_until(node, end, funcdef, parent_of):
                 yield Refused(
                     "deferred-capture",
                     f"`{ast.unparse(node).splitlines()[0]}` captures `{min(captured & tracked)}` "
                     "and may run between the projections",
                     node,
                 )
+
+
+def _unreachable_until(scope: ast.AST, end: int, funcdef: ast.FunctionDef, parent_of: dict) -> bool:
+    """Is `scope`'s code sure not to run before line `end` (the region's last)?
+
+    Qwen4-Exp's attention binds `position_embeddings = (x[:, -n:, :] for x in position_embeddings)` before its
+    projections and unpacks it after them. A lambda or generator that is the whole value of an assignment to
+    plain names, or a `def` without decorators, is reachable only through the local names it is bound to
+    (reaching it through the frame is refused by `reflection` and `frame-access`; a `global` name is not local).
+    If it is bound outside any loop or scope and no code outside it reads those names from the binding's line up
+    to `end`, nothing can call or advance it before the region ends. (A read on an earlier line runs before the binding, so it sees an older
+    value.)
+    """
+    if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if scope.decorator_list:
+            return False
+        binder, bound = scope, {scope.name}
+    else:
+        binder = parent_of.get(scope)
+        if not (isinstance(binder, ast.Assign) and binder.value is scope):
+            return False
+        if not all(isinstance(target, ast.Name) for target in binder.targets):
+            return False
+        bound = {target.id for target in binder.targets}
+    declared = {name for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for name in node.names}
+    if _in_loop_or_scope(binder, funcdef, parent_of) or bound & declared:
+        return False  # a `global` name is reachable from any function the region calls
+    inside = {id(node) for node in ast.walk(scope)}
+    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+        if isinstance(node, ast.Name) and node.id in bound and isinstance(node.ctx, ast.Load) and id(node) not in inside:
+            if binder.lineno <= node.lineno <= end:
+                return False
+    return True
 
 
 def check_no_escape(
