@@ -258,3 +258,54 @@ def test_generator_or_closure_used_in_the_region_is_still_refused(opaque_harness
     monkeypatch.setattr(safety, "_unreachable_until", lambda scope, end, funcdef, parent_of: True)
     loose = opaque_harness.check(case)
     assert loose.fused and loose.miscompile, loose
+
+
+def test_one_piece_name_merged_into_two_linears_vetoes_both():
+    # Kimi Linear: the linear attention merges `q_proj` into `qkv_proj`, the MLA attention at the same path into
+    # `q_proj_kv_a_proj_with_mqa`; `layers.N.self_attn.q_proj.weight` cannot feed both
+    from fusegen.compiler.plan import ClassOutcome, FusionPlan
+    from fusegen.compiler.vetoes import pieces_merged_apart
+
+    qkv = FusionPlan("qkv", "qkv_proj", (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)))
+    q_gate = FusionPlan("merged_column", "q_gate_proj", (("q_proj", 0), ("gate_proj", 1)))
+    outcomes = [ClassOutcome("_FullAttention", [qkv]), ClassOutcome("_LinearAttention", [q_gate])]
+    vetoes = pieces_merged_apart(_Hybrid(), outcomes)
+    assert set(vetoes) == {"_FullAttention", "_LinearAttention"}, vetoes
+    veto = vetoes["_FullAttention"]["qkv_proj"]
+    assert veto.rule == "ambiguous-checkpoint-names" and vetoes["_LinearAttention"]["q_gate_proj"] == veto
+    assert "layers.0.q_proj" in veto.reason and "layers.1.q_proj" in veto.reason, veto.reason
+    same = FusionPlan("qkv", "qkv_proj", (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)))
+    assert pieces_merged_apart(_Hybrid(), [ClassOutcome("_FullAttention", [qkv]), ClassOutcome("_B", [same])]) == {}
+
+
+# --- the Transformers types themselves ---
+
+
+def _outcomes(model_type):
+    from fusegen.compiler.build import analyse
+
+    return {outcome.class_name: outcome for outcome in analyse(model_type).outcomes}
+
+
+@pytest.mark.slow  # instantiates and analyses the real model types
+@pytest.mark.parametrize(
+    "model_type, class_name",
+    [
+        ("glm_moe_dsa", "GlmMoeDsaAttention"),
+        ("deepseek_v32", "DeepseekV32Attention"),
+        ("dots3_note", "Dots3NoteTextAttention"),
+        ("axk2", "AXK2Attention"),
+    ],
+)
+def test_mla_kin_merge_their_latent_projections(model_type, class_name):
+    outcome = _outcomes(model_type)[class_name]
+    merged = {plan.merged: plan.projections for plan in outcome.fused}
+    assert merged.get("fused_qkv_a_proj") == ("q_a_proj", "kv_a_proj_with_mqa"), (merged, outcome.refused)
+
+
+@pytest.mark.slow
+def test_kimi_linear_hybrid_names_the_tensors_it_cannot_map():
+    outcomes = _outcomes("kimi_linear")
+    for class_name in ("KimiLinearDeltaAttention", "KimiLinearAttention"):
+        reasons = [r.reason for r in outcomes[class_name].refused if "q_proj" in r.projections]
+        assert any("self_attn.q_proj (KimiLinearDeltaAttention) merges into qkv_proj" in r for r in reasons), reasons

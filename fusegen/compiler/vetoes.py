@@ -7,6 +7,7 @@ refused (`fusegen.compiler.analyse.analyse_classes`), until no new veto appears.
 from __future__ import annotations
 
 import ast
+import itertools
 
 from torch import nn
 
@@ -22,6 +23,7 @@ def find_vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
         prefused_checkpoints(model, outcomes),
         outside_references(model, outcomes),
         merged_names_reused(outcomes),
+        pieces_merged_apart(model, outcomes),
     ):
         for class_name, reasons in found.items():
             vetoes.setdefault(class_name, {}).update(reasons)
@@ -51,6 +53,44 @@ def merged_names_reused(outcomes: list[ClassOutcome]) -> Vetoes:
                         ),
                     )
     return vetoes
+
+
+def pieces_merged_apart(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
+    """Fusions of two classes that merge a projection of one checkpoint name into different merged linears.
+
+    Kimi Linear's and Bailing's hybrid layers hold their linear attention and their MLA attention at the same
+    path (`layers.N.self_attn`); the first merges `q_proj` into `qkv_proj`, the second into
+    `q_proj_kv_a_proj_with_mqa`. A checkpoint tensor `layers.N.self_attn.q_proj.weight` then feeds one or the other
+    depending on the layer's type, which the path patterns of the checkpoint conversion (Transformers applies one
+    per tensor) and of the TP plan cannot express, and which changes with the config's `layer_types`. Both
+    fusions are refused, naming the tensors. (Refusing only one would leave that class's `q_proj` unfused at the
+    same path, which `checkpoint_conflicts` refuses in the other.) Scopes that do not overlap keep them apart.
+    """
+    parents = source_parents(model, outcomes)
+    first_path: dict[str, str] = {}
+    for path, module in model.named_modules():
+        first_path.setdefault(type(module).__name__, path)
+    plans = [(outcome.class_name, plan) for outcome in outcomes for plan in merged_linears(outcome.fused)]
+    vetoes: Vetoes = {}
+    for (one, plan), (other, other_plan) in itertools.combinations(plans, 2):
+        shared = sorted(set(plan.projections) & set(other_plan.projections))
+        same = plan.merged == other_plan.merged and plan.shards == other_plan.shards
+        if one == other or not shared or same or not _scopes_overlap(parents, plan.merged, other_plan.merged):
+            continue
+        name = shared[0]
+        reason = (
+            f"{first_path.get(one, one)}.{name} ({one}) merges into {plan.merged} but "
+            f"{first_path.get(other, other)}.{name} ({other}) into {other_plan.merged}: one checkpoint name "
+            f"cannot feed both"
+        )
+        for class_name, merged in ((one, plan.merged), (other, other_plan.merged)):
+            vetoes.setdefault(class_name, {}).setdefault(merged, Veto("ambiguous-checkpoint-names", reason))
+    return vetoes
+
+
+def _scopes_overlap(parents: dict[str, list[str]], one: str, other: str) -> bool:
+    """Could a checkpoint name feed both merged linears? Yes unless both have scopes and they are disjoint."""
+    return one not in parents or other not in parents or bool(set(parents[one]) & set(parents[other]))
 
 
 def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
