@@ -24,8 +24,8 @@ rule over-approximates on purpose: a false alarm costs one fusion, a miss
 returns wrong numbers.
 
 What the analysis trusts without checking (documented in docs/analysis.md):
-the projection input is a tensor whose methods keep their documented
-meaning; a callee handed no alias of the input reaches it only through
+the projection input, and the output of a plain `nn.Linear` child (`linear_output`),
+is a tensor whose methods keep their documented meaning; a callee handed no alias of the input reaches it only through
 module state (`state-method-call`), a closure (`deferred-capture`) or the
 frame (`reflection`, `frame-access`).
 """
