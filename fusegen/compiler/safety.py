@@ -312,6 +312,21 @@ def _bindings(funcdef: ast.FunctionDef):
             yield [node.optional_vars], node.context_expr
         elif isinstance(node, ast.comprehension):
             yield [node.target], node.iter
+        elif isinstance(node, ast.Match):
+            # every capture may be the subject or a part of it (`case w`, `case [w]`, `case Box(t=w)`)
+            captured = sorted(_captures(node))
+            yield [ast.Name(name, ast.Store()) for name in captured], node.subject
+
+
+def _captures(match: ast.Match) -> set[str]:
+    """The names a `match` statement's patterns bind."""
+    names = set()
+    for node in ast.walk(match):
+        if isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+    return names
 
 
 def _loads(node: ast.AST) -> set[str]:
