@@ -86,7 +86,11 @@ def _any_submodule_call(expr, module):
 
 
 def _any_exact_linear_call(expr, module):
-    return isinstance(expr, ast.Call) and self_attr(expr.func) and type(getattr(module, expr.func.attr, None)) is nn.Linear
+    return (
+        isinstance(expr, ast.Call)
+        and self_attr(expr.func)
+        and type(getattr(module, expr.func.attr, None)) is nn.Linear
+    )
 
 
 def test_method_of_a_user_module_output_is_still_refused(harness, monkeypatch):

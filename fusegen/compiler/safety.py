@@ -288,9 +288,8 @@ def _keeps_no_reference(call: ast.Call, tracked: set[str], module: nn.Module, na
         name = func.attr
         in_place = name.endswith("_") and not name.endswith("__") and name != "set_"
         return name in PURE_METHODS or name in INPLACE_DUNDERS or in_place
-    if isinstance(func, ast.Attribute) and func.attr in PURE_METHODS and linear_output(func.value, module):
-        return True  # a pure method of a linear's output (`self.q_b_proj(q).view(shape)`): a tensor method
-    return False
+    # a pure method of a linear's output (`self.q_b_proj(q).view(shape)`): a tensor method
+    return isinstance(func, ast.Attribute) and func.attr in PURE_METHODS and linear_output(func.value, module)
 
 
 def _torch_inplace(function: object) -> bool:
@@ -479,15 +478,20 @@ def _unreachable_until(scope: ast.AST, end: int, funcdef: ast.FunctionDef, paren
         if not all(isinstance(target, ast.Name) for target in binder.targets):
             return False
         bound = {target.id for target in binder.targets}
-    declared = {name for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for name in node.names}
+    declared = {
+        name for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for name in node.names
+    }
     if _in_loop_or_scope(binder, funcdef, parent_of) or bound & declared:
         return False  # a `global` name is reachable from any function the region calls
     inside = {id(node) for node in ast.walk(scope)}
-    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
-        if isinstance(node, ast.Name) and node.id in bound and isinstance(node.ctx, ast.Load) and id(node) not in inside:
-            if binder.lineno <= node.lineno <= end:
-                return False
-    return True
+    reads = (node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Name))
+    return not any(
+        node.id in bound
+        and isinstance(node.ctx, ast.Load)
+        and id(node) not in inside
+        and binder.lineno <= node.lineno <= end
+        for node in reads
+    )
 
 
 def check_no_escape(

@@ -199,7 +199,9 @@ def _called_before_subplans(forward: ast.FunctionDef, plan: FusionPlan, line: in
     """
     names = []
     for name in plan.projections:
-        calls = [node for node in ast.walk(forward) if isinstance(node, ast.Call) and astutil.self_attr(node.func, name)]
+        calls = [
+            node for node in ast.walk(forward) if isinstance(node, ast.Call) and astutil.self_attr(node.func, name)
+        ]
         if len(calls) == 1 and calls[0].lineno < line:
             names.append(name)
     if len(names) < 2 or len(names) == len(plan.projections):
