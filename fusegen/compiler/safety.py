@@ -24,8 +24,8 @@ rule over-approximates on purpose: a false alarm costs one fusion, a miss
 returns wrong numbers.
 
 What the analysis trusts without checking (documented in docs/analysis.md):
-the projection input is a tensor whose methods keep their documented
-meaning; a callee handed no alias of the input reaches it only through
+the projection input, and the output of a plain `nn.Linear` child (`linear_output`),
+is a tensor whose methods keep their documented meaning; a callee handed no alias of the input reaches it only through
 module state (`state-method-call`), a closure (`deferred-capture`) or the
 frame (`reflection`, `frame-access`).
 """
@@ -42,7 +42,7 @@ import types
 import torch
 from torch import nn
 
-from fusegen.compiler.astutil import self_attr
+from fusegen.compiler.astutil import LOOPS_AND_SCOPES, parents, self_attr
 from fusegen.compiler.plan import Refused
 
 METADATA_ATTRS = frozenset(
@@ -187,13 +187,33 @@ def _call_may_alias(call: ast.Call, tracked: set[str], module: nn.Module) -> boo
         return False  # a linear writes its result into new storage (unless a hook hands back something else)
     if isinstance(func, ast.Attribute) and (func.attr in METADATA_METHODS or func.attr in FRESH_METHODS):
         return False
+    if isinstance(func, ast.Attribute) and func.attr in PURE_METHODS and linear_output(func.value, module):
+        return False  # a view of, or new storage made from, the linear's new storage (`self.q_b_proj(q).view(s)`)
     operands = [func, *call.args, *(keyword.value for keyword in call.keywords)]
     return any(may_alias(operand, tracked, module) for operand in operands)
 
 
 def _plain_linear(child: object) -> bool:
-    """An exact, hook-free `nn.Linear`: its output is new storage."""
-    return type(child) is nn.Linear and not module_hooks(child) and not global_hooks()
+    """An exact, hook-free `nn.Linear` without an instance-level `forward`: its output is new storage."""
+    if type(child) is not nn.Linear or module_hooks(child) or global_hooks():
+        return False
+    return "forward" not in vars(child) and "__call__" not in vars(child)
+
+
+def linear_output(expr: ast.expr, module: nn.Module) -> bool:
+    """Is `expr` the result of calling a plain linear child (`self.q_b_proj(q_resid)`)?
+
+    Such a value is a tensor in new storage that nothing else references:
+    `nn.Linear.forward` returns `F.linear(input, weight, bias)` and keeps
+    nothing (`_plain_linear` rules out hooks, subclasses and instance-level
+    forwards). So calling a `PURE_METHODS` method on it writes neither it nor
+    the method's arguments, keeps no reference to them, and returns a view of
+    it, new storage or a non-tensor, never an argument or a view of one.
+    What the child is comes from the instantiated module, as for
+    `pure_module`; a child built as another class in another config is
+    judged when that config is built (`fusegen.compiler.validate`).
+    """
+    return isinstance(expr, ast.Call) and self_attr(expr.func) and _plain_linear(getattr(module, expr.func.attr, None))
 
 
 def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace: dict | None = None) -> set[str]:
@@ -268,7 +288,8 @@ def _keeps_no_reference(call: ast.Call, tracked: set[str], module: nn.Module, na
         name = func.attr
         in_place = name.endswith("_") and not name.endswith("__") and name != "set_"
         return name in PURE_METHODS or name in INPLACE_DUNDERS or in_place
-    return False
+    # a pure method of a linear's output (`self.q_b_proj(q).view(shape)`): a tensor method
+    return isinstance(func, ast.Attribute) and func.attr in PURE_METHODS and linear_output(func.value, module)
 
 
 def _torch_inplace(function: object) -> bool:
@@ -290,6 +311,21 @@ def _bindings(funcdef: ast.FunctionDef):
             yield [node.optional_vars], node.context_expr
         elif isinstance(node, ast.comprehension):
             yield [node.target], node.iter
+        elif isinstance(node, ast.Match):
+            # every capture may be the subject or a part of it (`case w`, `case [w]`, `case Box(t=w)`)
+            captured = sorted(_captures(node))
+            yield [ast.Name(name, ast.Store()) for name in captured], node.subject
+
+
+def _captures(match: ast.Match) -> set[str]:
+    """The names a `match` statement's patterns bind."""
+    names = set()
+    for node in ast.walk(match):
+        if isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+    return names
 
 
 def _loads(node: ast.AST) -> set[str]:
@@ -407,16 +443,55 @@ def check_no_deferred_capture(funcdef: ast.FunctionDef, region: list[ast.stmt], 
     what it does. Eager comprehensions run where they stand and are checked there.
     """
     end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    parent_of = parents(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
         if isinstance(node, _SCOPES) and node.lineno <= end:
             captured = _loads(node)  # the body, and the defaults and decorators evaluated with it
-            if captured & tracked:
+            if captured & tracked and not _unreachable_until(node, end, funcdef, parent_of):
                 yield Refused(
                     "deferred-capture",
                     f"`{ast.unparse(node).splitlines()[0]}` captures `{min(captured & tracked)}` "
                     "and may run between the projections",
                     node,
                 )
+
+
+def _unreachable_until(scope: ast.AST, end: int, funcdef: ast.FunctionDef, parent_of: dict) -> bool:
+    """Is `scope`'s code sure not to run before line `end` (the region's last)?
+
+    Qwen4-Exp's attention binds `position_embeddings = (x[:, -n:, :] for x in position_embeddings)` before its
+    projections and unpacks it after them. A lambda or generator that is the whole value of an assignment to
+    plain names, or a `def` without decorators, is reachable only through the local names it is bound to
+    (reaching it through the frame is refused by `reflection` and `frame-access`; a `global` name is not local).
+    If it is bound outside any loop or scope and no code outside it reads those names from the binding's line up
+    to `end`, nothing can call or advance it before the region ends. (A read on an earlier line runs before the binding, so it sees an older
+    value.)
+    """
+    if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if scope.decorator_list:
+            return False
+        binder, bound = scope, {scope.name}
+    else:
+        binder = parent_of.get(scope)
+        if not (isinstance(binder, ast.Assign) and binder.value is scope):
+            return False
+        if not all(isinstance(target, ast.Name) for target in binder.targets):
+            return False
+        bound = {target.id for target in binder.targets}
+    declared = {
+        name for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for name in node.names
+    }
+    if _in_loop_or_scope(binder, funcdef, parent_of) or bound & declared:
+        return False  # a `global` name is reachable from any function the region calls
+    inside = {id(node) for node in ast.walk(scope)}
+    reads = (node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Name))
+    return not any(
+        node.id in bound
+        and isinstance(node.ctx, ast.Load)
+        and id(node) not in inside
+        and binder.lineno <= node.lineno <= end
+        for node in reads
+    )
 
 
 def check_no_escape(
@@ -519,7 +594,10 @@ def judge_call(
     if isinstance(func, ast.Attribute):
         resolved = resolve(func, namespace, local)
         if resolved is _UNRESOLVED:
-            return _judge_method(call, func, may_alias(func.value, tracked, module), args_alias, text)
+            receiver = "alias" if may_alias(func.value, tracked, module) else None
+            if receiver is None and linear_output(func.value, module):
+                receiver = "tensor"
+            return _judge_method(call, func, receiver, args_alias, text)
         return _judge_function(resolved, call, text) if args_alias else None
     if isinstance(func, ast.Name):
         if may_alias(func, tracked, module):
@@ -537,15 +615,17 @@ def judge_call(
 
 
 def _judge_method(
-    call: ast.Call, func: ast.Attribute, receiver_alias: bool, args_alias: bool, text: str
+    call: ast.Call, func: ast.Attribute, receiver: str | None, args_alias: bool, text: str
 ) -> Refused | None:
     """A method of a local value: only allowlisted tensor methods may be called on, or handed, an alias.
 
-    The receiver is a tensor only when it is an alias of the input (the
-    input is a tensor, and `check_no_opaque_aliases` keeps every other alias
-    a tensor view): handed an alias, a method of any other object is unknown.
+    `receiver` is "alias" if the receiver may alias the input, "tensor" if it
+    is a plain linear's output (`linear_output`), else None. The receiver is
+    known to be a tensor only in those two cases (the input is a tensor, and
+    `check_no_opaque_aliases` keeps every other alias a tensor view): handed an
+    alias, a method of any other object is unknown.
     """
-    if not (receiver_alias or args_alias):
+    if not (receiver == "alias" or args_alias):
         return None
     name = func.attr
     if name.startswith("__") and name.endswith("__") and name not in PURE_METHODS:
@@ -553,7 +633,7 @@ def _judge_method(
         return Refused(rule, f"`{text}` calls the dunder `{name}` on the projection input", call)
     if name.endswith("_") and not name.endswith("__"):
         return Refused("inplace-call", f"`{text}` writes the projection input in place", call)
-    if not receiver_alias:
+    if receiver is None:
         return Refused("impure-call", f"`{text}` hands the projection input to a method of an unknown object", call)
     if name not in PURE_METHODS:
         return Refused("impure-call", f"`{text}` is not a tensor method known to leave its operands intact", call)
@@ -656,36 +736,70 @@ def check_no_opaque_aliases(
     container of tensors): the input is one, and allowlisted tensor code
     returns views. An alias made by anything else (`obj = Helper(x)`,
     `cache.append(x)`, `with ... as h`) may be a user object whose `view`
-    or `__add__` writes the input, or whose `clone()`/`size()` hands it back
+    or `__add__` writes the input, or whose `clone()`/size()` hands it back
     where the analysis assumes fresh storage or an int; so reading it
     before or between the projections is refused. (The input's own names
     hold what `nn.Linear` is handed: a tensor.)
+
+    A read that runs before every call or binding that may make the name
+    such an alias still sees the value the name had before (`_read_first`):
+    `h = mask_padding(h, attention_mask)` reads `attention_mask` as it was
+    passed, and a call after the last projection cannot change what the
+    region reads.
     """
     skip = {id(call) for call in projection_calls}
     local = _local_names(funcdef) - {"self"}
     bound = _aliases(funcdef, names, module, namespace, stash=False)  # aliases by binding: views, or opaque below
-    opaque: dict[str, ast.AST] = {}
+    makers: dict[str, list[ast.AST]] = {}
     for node in ast.walk(funcdef):
         if isinstance(node, ast.Call) and id(node) not in skip:
             for name in _stash_targets(node, tracked, module, namespace, local) - bound:
-                opaque.setdefault(name, node)
+                makers.setdefault(name, []).append(node)
         entered = isinstance(node, ast.withitem) and node.optional_vars is not None
         if entered and may_alias(node.context_expr, tracked, module):
             for name in bound_names(node.optional_vars):
-                opaque.setdefault(name, node.context_expr)
+                makers.setdefault(name, []).append(node.context_expr)
     for targets, value in _bindings(funcdef):
         if not may_alias(value, tracked, module):
             continue
         for call in (n for n in ast.walk(value) if isinstance(n, ast.Call) and id(n) not in skip):
             if _call_may_alias(call, tracked, module) and not _keeps_no_reference(call, tracked, module, namespace):
                 for name in (name for target in targets for name in bound_names(target)):
-                    opaque.setdefault(name, call)
-    hits = {name: node for name, node in opaque.items() if name not in names}
+                    makers.setdefault(name, []).append(call)
+    hits = {name: nodes for name, nodes in makers.items() if name not in names}
     end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    parent_of = parents(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in hits and node.lineno <= end:
-            made = ast.unparse(hits[node.id])
+            if all(_read_first(node, maker, funcdef, parent_of) for maker in hits[node.id]):
+                continue
+            made = ast.unparse(hits[node.id][0])
             yield Refused("opaque-alias", f"`{node.id}` may hold the projection input through `{made}`", node)
+
+
+def _read_first(read: ast.Name, maker: ast.AST, funcdef: ast.FunctionDef, parent_of: dict) -> bool:
+    """Does `read` run before `maker` (a call or a `with` item's expression) every time either runs?
+
+    Only where neither sits in a loop, comprehension or nested scope, so each
+    runs at most once per forward: then `read` runs first if it is part of
+    `maker`'s own operands (evaluated before the call, or before the `with`
+    binds), or if `maker` starts on a later line (outside loops, statements
+    run in line order).
+    """
+    if _in_loop_or_scope(read, funcdef, parent_of) or _in_loop_or_scope(maker, funcdef, parent_of):
+        return False
+    if maker.lineno > read.end_lineno:
+        return True
+    return read is not maker and any(node is read for node in ast.walk(maker))
+
+
+def _in_loop_or_scope(node: ast.AST, funcdef: ast.FunctionDef, parent_of: dict) -> bool:
+    current = parent_of.get(node)
+    while current is not None and current is not funcdef:
+        if isinstance(current, LOOPS_AND_SCOPES):
+            return True
+        current = parent_of.get(current)
+    return False
 
 
 def check_no_state_methods(region: list[ast.stmt], module: nn.Module):

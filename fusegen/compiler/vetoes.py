@@ -7,6 +7,7 @@ refused (`fusegen.compiler.analyse.analyse_classes`), until no new veto appears.
 from __future__ import annotations
 
 import ast
+import itertools
 
 from torch import nn
 
@@ -22,6 +23,7 @@ def find_vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
         prefused_checkpoints(model, outcomes),
         outside_references(model, outcomes),
         merged_names_reused(outcomes),
+        pieces_merged_apart(model, outcomes),
     ):
         for class_name, reasons in found.items():
             vetoes.setdefault(class_name, {}).update(reasons)
@@ -51,6 +53,44 @@ def merged_names_reused(outcomes: list[ClassOutcome]) -> Vetoes:
                         ),
                     )
     return vetoes
+
+
+def pieces_merged_apart(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
+    """Fusions of two classes that merge a projection of one checkpoint name into different merged linears.
+
+    Kimi Linear's and Bailing's hybrid layers hold their linear attention and their MLA attention at the same
+    path (`layers.N.self_attn`); the first merges `q_proj` into `qkv_proj`, the second into
+    `q_proj_kv_a_proj_with_mqa`. A checkpoint tensor `layers.N.self_attn.q_proj.weight` then feeds one or the other
+    depending on the layer's type, which the path patterns of the checkpoint conversion (Transformers applies one
+    per tensor) and of the TP plan cannot express, and which changes with the config's `layer_types`. Both
+    fusions are refused, naming the tensors. (Refusing only one would leave that class's `q_proj` unfused at the
+    same path, which `checkpoint_conflicts` refuses in the other.) Scopes that do not overlap keep them apart.
+    """
+    parents = source_parents(model, outcomes)
+    first_path: dict[str, str] = {}
+    for path, module in model.named_modules():
+        first_path.setdefault(type(module).__name__, path)
+    plans = [(outcome.class_name, plan) for outcome in outcomes for plan in merged_linears(outcome.fused)]
+    vetoes: Vetoes = {}
+    for (one, plan), (other, other_plan) in itertools.combinations(plans, 2):
+        shared = sorted(set(plan.projections) & set(other_plan.projections))
+        same = plan.merged == other_plan.merged and plan.shards == other_plan.shards
+        if one == other or not shared or same or not _scopes_overlap(parents, plan.merged, other_plan.merged):
+            continue
+        name = shared[0]
+        reason = (
+            f"{first_path.get(one, one)}.{name} ({one}) merges into {plan.merged} but "
+            f"{first_path.get(other, other)}.{name} ({other}) into {other_plan.merged}: one checkpoint name "
+            f"cannot feed both"
+        )
+        for class_name, merged in ((one, plan.merged), (other, other_plan.merged)):
+            vetoes.setdefault(class_name, {}).setdefault(merged, Veto("ambiguous-checkpoint-names", reason))
+    return vetoes
+
+
+def _scopes_overlap(parents: dict[str, list[str]], one: str, other: str) -> bool:
+    """Could a checkpoint name feed both merged linears? Yes unless both have scopes and they are disjoint."""
+    return one not in parents or other not in parents or bool(set(parents[one]) & set(parents[other]))
 
 
 def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
@@ -147,20 +187,36 @@ def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> Veto
     """
     parents = source_parents(model, outcomes)
     fused_classes = {o.class_name: o for o in outcomes if o.fused}
+    merged_away = {name: _merged_away(outcome) for name, outcome in fused_classes.items()}
     conflicts: Vetoes = {}
     for path, module in model.named_modules():
-        if type(module).__name__ in fused_classes:
-            continue
+        own = type(module).__name__
+        kept_here = [name for name, _ in module.named_children() if name not in merged_away.get(own, ())]
         for outcome in fused_classes.values():
+            if outcome.class_name == own:
+                continue
             for plan in outcome.fused:
                 scoped = plan.merged not in parents or path.rpartition(".")[2] in parents[plan.merged]
-                if scoped and any(isinstance(getattr(module, name, None), nn.Module) for name in plan.projections):
+                shared = [name for name in plan.projections if name in kept_here]
+                if scoped and shared:
+                    tensors = ", ".join(f"{path}.{name}" for name in shared)
                     conflicts.setdefault(outcome.class_name, {}).setdefault(
                         plan.merged,
                         Veto(
                             "ambiguous-checkpoint-names",
-                            f"{path} ({type(module).__name__}) keeps unfused projections under the same checkpoint "
-                            "names, so loading could not tell which tensors to merge",
+                            f"{tensors} ({own}) stays unfused under the checkpoint name that "
+                            f"{outcome.class_name} merges into {plan.merged}, so loading could not tell which "
+                            "tensors to merge",
                         ),
                     )
     return conflicts
+
+
+def _merged_away(outcome: ClassOutcome) -> set[str]:
+    """The projections `outcome`'s class no longer has under their own names in any config.
+
+    A class with some fusion still keeps its other projections (Kimi's linear attention fuses q/k/v but keeps
+    `b_proj`), and a conditional merge keeps its always-built pieces where the merged linear is not built
+    (`FusionPlan.kept`); those still hold unfused tensors at their path, so they count as kept.
+    """
+    return {name for plan in merged_linears(outcome.fused) for name in plan.projections if name not in plan.kept}

@@ -27,7 +27,7 @@ from fusegen.compiler.plan import FusionPlan, Refused, ShardId
 from fusegen.compiler.rewrite_forward import rewrite_forward
 from fusegen.compiler.rewrite_init import MERGED_LINEAR, check_no_other_uses, rewrite_init, same_block_groups
 from fusegen.compiler.rewrite_nested import rewrite_forward_nested, rewrite_init_nested, spans_blocks
-from fusegen.compiler.safety import check_projections, projection_findings
+from fusegen.compiler.safety import RULE_IDS, check_projections, projection_findings
 from fusegen.fusions.base import Kind
 from fusegen.runtime.linear import sizes_attribute
 
@@ -90,6 +90,8 @@ class LinearKind(Kind):
         if refusal.rule == "unusual-init" or spans_blocks(astutil.method(classdef, "__init__"), plan.projections):
             groups = same_block_groups(astutil.method(classdef, "__init__"), plan.projections)
             return [fusions.kind(SIBLINGS).plan(names) for names in groups]
+        if refusal.rule in RULE_IDS and refusal.line is not None:
+            return _called_before_subplans(astutil.method(classdef, "forward"), plan, refusal.line)
         return []
 
 
@@ -199,3 +201,23 @@ def _one_input(call: ast.Call) -> ast.expr | None:
     if not call.args and len(call.keywords) == 1 and call.keywords[0].arg == "input":
         return call.keywords[0].value
     return None
+
+
+def _called_before_subplans(forward: ast.FunctionDef, plan: FusionPlan, line: int) -> list[FusionPlan]:
+    """The group less the projections called on or after `line`, where an input-stability rule refused it.
+
+    Dots' and Bailing's MLA attention also feed `g_proj` from `hidden_states`, but only after the cache update,
+    the indexer and the attention call, which the rules cannot see into; `q_a_proj` + `kv_a_proj_with_mqa`, both
+    called before them, still merge. The smaller group's hoist spans less code, and it is judged again by every
+    rule (a subgroup is never trusted because of its parent), so offering it costs only the time to check it.
+    """
+    names = []
+    for name in plan.projections:
+        calls = [
+            node for node in ast.walk(forward) if isinstance(node, ast.Call) and astutil.self_attr(node.func, name)
+        ]
+        if len(calls) == 1 and calls[0].lineno < line:
+            names.append(name)
+    if len(names) < 2 or len(names) == len(plan.projections):
+        return []
+    return [fusions.kind(SIBLINGS).plan(names)]
