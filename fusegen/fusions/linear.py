@@ -25,6 +25,7 @@ from fusegen.compiler import astutil
 from fusegen.compiler.match import linear_children
 from fusegen.compiler.plan import FusionPlan, Refused, ShardId
 from fusegen.compiler.rewrite_forward import rewrite_forward
+from fusegen.compiler.rewrite_cross import LINEAR_PIECES
 from fusegen.compiler.rewrite_init import MERGED_LINEAR, check_no_other_uses, rewrite_init, same_block_groups
 from fusegen.compiler.safety import check_projections, projection_findings
 from fusegen.fusions.base import Kind
@@ -39,7 +40,7 @@ _SUFFIX = re.compile(r"(_proj|_lin|_linear|_layer)$")
 class LinearKind(Kind):
     """A kind that merges some of the linears of one same-input group (see the module docstring)."""
 
-    runtime_names = frozenset({MERGED_LINEAR})
+    runtime_names = frozenset({MERGED_LINEAR, LINEAR_PIECES})
 
     def claim(self, nodes: list[fx.Node]) -> tuple[list[FusionPlan], list[fx.Node]]:
         """The plans this kind makes of a same-input group of linear call nodes (each node's `target` is the
@@ -82,12 +83,11 @@ class LinearKind(Kind):
         return _plain_subplans(module, plan)
 
     def smaller_after_rewrite(self, classdef: ast.ClassDef, plan: FusionPlan, refusal: Refused) -> list[FusionPlan]:
-        if refusal.rule == "different-inputs":
-            return _same_spelling_subplans(astutil.method(classdef, "forward"), plan)
         if refusal.rule == "unusual-init":
             groups = same_block_groups(astutil.method(classdef, "__init__"), plan.projections)
             return [fusions.kind(SIBLINGS).plan(names) for names in groups]
-        return []
+        # A group read from two inputs (`rewrite_cross`) may be refused by any rule; its same-input part may merge.
+        return _same_spelling_subplans(astutil.method(classdef, "forward"), plan)
 
 
 def join_names(names: list[str]) -> str:

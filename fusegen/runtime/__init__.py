@@ -14,7 +14,7 @@ from .checkpoint import (
     register_stacked_checkpoint,
 )
 from .files import CheckpointError
-from .linear import MergedColumnLinear
+from .linear import MergedColumnLinear, linear_pieces
 from .loading import load_checkpoint, load_weights
 from .peft import AdapterError
 from .peft import load_adapter as load_adapter_packed
@@ -68,6 +68,7 @@ __all__ = [
     "init_fused_parallel_plans",
     "load_adapter_packed",
     "load_checkpoint",
+    "linear_pieces",
     "load_weights",
     "partition_rows",
     "register_fused_causal_lm",
