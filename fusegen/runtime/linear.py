@@ -133,12 +133,10 @@ def _computes_as_plain(linear: nn.Module) -> bool:
         torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
         torch_module._global_backward_hooks, torch_module._global_backward_pre_hooks,
     )  # fmt: skip
+    if type(linear) is not MergedColumnLinear or any(hooks):
+        return False
     parameters = [linear.weight] if linear.bias is None else [linear.weight, linear.bias]
-    return (
-        type(linear) is MergedColumnLinear
-        and not any(hooks)
-        and all(type(p) is nn.Parameter and type(p.data) is torch.Tensor for p in parameters)
-    )
+    return all(type(p) is nn.Parameter and type(p.data) is torch.Tensor for p in parameters)
 
 
 def linear_pieces(
