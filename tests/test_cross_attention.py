@@ -307,13 +307,13 @@ SWITCHED = (
 )
 
 
-def write_switched_case(tmp_path, name, forward, params=", kv=None"):
+def write_switched_case(tmp_path, name, forward, params=", kv=None", extra=""):
     """A toy whose block's forward is `forward(self, x<params>)` (toy_source's block takes `x` only)."""
     package = tmp_path / "hazard_cases"
     package.mkdir(exist_ok=True)
     (package / "__init__.py").touch()
     module_name = f"toy_{name}"
-    source = toy_source(module_name, "", forward)
+    source = toy_source(module_name, "", forward, extra)
     head, block, tail = source.partition("class ToyBlock(nn.Module):")
     tail = tail.replace("    def forward(self, x):\n", f"    def forward(self, x{params}):\n", 1)
     (package / f"{module_name}.py").write_text(head + block + tail)
@@ -369,7 +369,12 @@ REFUSED = {
     "wrong_polarity": (SWITCHED.replace("kv is not None", "kv is None"), ", kv=None"),
     "flag_bound_twice": (SWITCHED.replace("        q = self.q_proj(x)\n", "        q = self.q_proj(x)\n        if self.flag:\n            is_cross = True\n"), ", kv=None"),
     "flag_in_nested_scope": (SWITCHED.replace("        is_cross = kv is not None\n", "        def inner():\n            is_cross = kv is not None\n"), ", kv=None"),
-    "flag_a_parameter": (SWITCHED.replace("        is_cross = kv is not None\n", ""), ", kv=None, is_cross=False"),
+    "flag_a_parameter": (  # the binding of `current` reads the parameter, not the later assignment
+        SWITCHED.replace("        is_cross = kv is not None\n", "").replace(
+            "        k = self.k_proj", "        is_cross = kv is not None\n        k = self.k_proj"
+        ),
+        ", kv=None, is_cross=False",
+    ),
     "current_bound_twice": (SWITCHED.replace("        k = self.k_proj(current)\n", "        current = current[:, ::-1] if self.flag else current\n        k = self.k_proj(current)\n"), ", kv=None"),
     "binding_in_a_branch": (SWITCHED.replace("        current = kv if is_cross else x\n", "        if self.flag:\n            current = kv if is_cross else x\n"), ", kv=None"),
     "binding_in_a_try": (SWITCHED.replace("        current = kv if is_cross else x\n", "        try:\n            current = kv if is_cross else x\n        except ValueError:\n            pass\n"), ", kv=None"),
@@ -409,6 +414,20 @@ STABILITY = {
     # fact 4: between the k and v calls, the states `current` was bound from stay as k read them
     "switch_written_between_k_and_v": ("        if kv is not None:\n            kv.mul_(2)\n", "inplace-call"),
 }
+
+
+def test_binding_in_a_loop_is_refused(case_path):
+    forward = SWITCHED.replace(
+        "        current = kv if is_cross else x\n", "        for _ in range(1):\n            current = kv if is_cross else x\n"
+    )
+    assert rewrite_refusal(write_switched_case(case_path, "binding_in_a_loop", forward)) == "call-in-loop"
+
+
+def test_a_global_switch_is_refused(case_path):
+    """A module-level name is one value at the q site and maybe another at the k/v site (any call may set it)."""
+    forward = SWITCHED.replace("kv is not None", "SWITCH is not None").replace("kv if", "SWITCH if")
+    dotted = write_switched_case(case_path, "global_switch", forward, params="", extra="SWITCH = None\n")
+    assert rewrite_refusal(dotted) == "different-inputs"
 
 
 @pytest.mark.parametrize("name", sorted(STABILITY))
