@@ -317,6 +317,32 @@ def test_linear_pieces_call_a_wrapped_or_hooked_linear_whole():
     assert (second - (merged(x)[:, 4:] + 1.0)).abs().max().item() <= TOLERANCE
 
 
+def test_linear_pieces_compute_rows_only_for_a_plain_merged_linear(monkeypatch):
+    """A weight that is a tensor subclass (how torchao quantizes in place, keeping the module's class) or a
+    subclassed module is called whole; only a plain `MergedColumnLinear` has its rows computed on their own."""
+    calls = []
+    forward = MergedColumnLinear.forward
+    monkeypatch.setattr(MergedColumnLinear, "forward", lambda self, t: calls.append(1) or forward(self, t))
+    torch.manual_seed(0)
+    merged = MergedColumnLinear(8, [4, 4], bias=True)
+    x = torch.randn(3, 8)
+    linear_pieces(merged, x, merged.output_sizes, (1,))
+    assert calls == []
+
+    class Subclass(torch.Tensor):
+        pass
+
+    merged.weight = nn.Parameter(merged.weight.detach().as_subclass(Subclass))
+    linear_pieces(merged, x, merged.output_sizes, (1,))
+    assert calls == [1]
+
+    class Quantized(MergedColumnLinear):
+        pass
+
+    linear_pieces(Quantized(8, [4, 4]), x, [4, 4], (0,))
+    assert calls == [1, 1]
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Toy modules: the proof's facts, one mutation each
 # --------------------------------------------------------------------------------------------------------------------
