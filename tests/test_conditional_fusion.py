@@ -217,13 +217,21 @@ def whisper_config(**overrides):
     return WhisperConfig(**{**WHISPER, **overrides})
 
 
-def test_whisper_kv_proj_carries_per_piece_bias_flags(built):
+def k_bias_rows(qkv: MergedColumnLinear) -> torch.Tensor:
+    """The rows of the merged bias that belong to k_proj, which has no bias."""
+    return qkv.bias.split(qkv.output_sizes)[1]
+
+
+def test_whisper_qkv_proj_carries_per_piece_bias_flags(built):
     source = Path(built["whisper"].__file__).read_text()
-    assert "self.kv_proj = MergedColumnLinear(embed_dim, [embed_dim, embed_dim], bias=[False, bias])" in source
+    assert (
+        "self.qkv_proj = MergedColumnLinear(embed_dim, [embed_dim, embed_dim, embed_dim], bias=[bias, False, bias])"
+        in source
+    )
     fused = built["whisper"].FusedWhisperForCausalLM(whisper_config())
-    kv = fused.model.decoder.layers[0].self_attn.kv_proj
-    assert kv.bias_pieces == [False, True]
-    assert not kv.bias[: kv.output_sizes[0]].any()
+    qkv = fused.model.decoder.layers[0].self_attn.qkv_proj
+    assert qkv.bias_pieces == [True, False, True]
+    assert not k_bias_rows(qkv).any()
 
 
 def test_whisper_matches_and_never_saves_the_zero_bias(built, tmp_path):
@@ -248,8 +256,7 @@ def test_whisper_zero_bias_rows_stay_out_of_training(built, tmp_path):
         model(IDS).logits.square().mean().backward()
         optimizer.step()
     assert_equivalent(original, fused, module.STACKED_PARAMS_MAPPING)
-    kv = fused.model.decoder.layers[0].self_attn.kv_proj
-    assert not kv.bias[: kv.output_sizes[0]].any()
+    assert not k_bias_rows(fused.model.decoder.layers[0].self_attn.qkv_proj).any()
 
 
 def test_whisper_checkpoint_missing_a_real_bias_raises(built, tmp_path):
@@ -277,11 +284,11 @@ def test_whisper_fusegen_loader_and_saver(built, tmp_path):
     original = random_model(WhisperForCausalLM, whisper_config())
     original.save_pretrained(tmp_path / "original")
     fused = built["whisper"].FusedWhisperForCausalLM(whisper_config())
-    kv = fused.model.decoder.layers[0].self_attn.kv_proj
+    qkv = fused.model.decoder.layers[0].self_attn.qkv_proj
     with torch.no_grad():
-        kv.bias.fill_(7.0)
+        qkv.bias.fill_(7.0)
     load_checkpoint(fused, tmp_path / "original")
-    assert not kv.bias[: kv.output_sizes[0]].any()
+    assert not k_bias_rows(qkv).any()
     with torch.no_grad():
         assert (original.eval()(IDS).logits - fused.eval()(IDS).logits).abs().max().item() <= TOLERANCE
     save_checkpoint(fused, tmp_path / "saved")
@@ -346,7 +353,7 @@ def test_quantizing_or_sharding_a_merged_linear_without_some_bias_is_refused(bui
 
     fused = built["whisper"].FusedWhisperForCausalLM(whisper_config())
     fused.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
-    with pytest.raises(QuantizationRefused, match="kv_proj.*no bias"):
+    with pytest.raises(QuantizationRefused, match="qkv_proj.*no bias"):
         check_quantization(fused)
 
     class Mesh:
@@ -356,14 +363,14 @@ def test_quantizing_or_sharding_a_merged_linear_without_some_bias_is_refused(bui
         def get_local_rank(self):
             return 0
 
-    kv = fused.model.decoder.layers[0].self_attn.kv_proj
-    with pytest.raises(ValueError, match=r"bias_pieces=\[False, True\]"):
-        _partition(kv, Mesh())
-    assert kv.output_sizes == [WHISPER["d_model"]] * 2  # left as it was
+    qkv = fused.model.decoder.layers[0].self_attn.qkv_proj
+    with pytest.raises(ValueError, match=r"bias_pieces=\[True, False, True\]"):
+        _partition(qkv, Mesh())
+    assert qkv.output_sizes == [WHISPER["d_model"]] * 3  # left as it was
 
 
 def test_whisper_lora_on_k_and_v_gives_the_originals_outputs_and_trains_the_same(built, tmp_path):
-    """A canonical LoRA adapter on k_proj and v_proj (random A and B) loads onto kv_proj; one SGD step on each model
+    """A canonical LoRA adapter on k_proj and v_proj (random A and B) loads onto qkv_proj; one SGD step on each model
     keeps them equal, and the fused save is canonical (loads into the original)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 

@@ -40,6 +40,10 @@ def rewrite_forward(
     arg = calls[0].args[0]
     for call in calls[1:]:
         if not astutil.same_expr(call.args[0], arg):
+            if not conditional:
+                from fusegen.compiler.rewrite_cross import rewrite_self_or_cross  # it builds on this module
+
+                return rewrite_self_or_cross(funcdef, plan, calls, module, namespace)
             raise Refused(
                 "different-inputs",
                 f"`{ast.unparse(calls[0])}` and `{ast.unparse(call)}` spell their input differently",

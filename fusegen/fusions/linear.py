@@ -24,6 +24,7 @@ from fusegen import fusions
 from fusegen.compiler import astutil
 from fusegen.compiler.match import linear_children
 from fusegen.compiler.plan import FusionPlan, Refused, ShardId
+from fusegen.compiler.rewrite_cross import LINEAR_PIECES
 from fusegen.compiler.rewrite_forward import rewrite_forward
 from fusegen.compiler.rewrite_init import MERGED_LINEAR, check_no_other_uses, rewrite_init, same_block_groups
 from fusegen.compiler.rewrite_nested import rewrite_forward_nested, rewrite_init_nested, spans_blocks
@@ -40,7 +41,7 @@ _SUFFIX = re.compile(r"(_proj|_lin|_linear|_layer)$")
 class LinearKind(Kind):
     """A kind that merges some of the linears of one same-input group (see the module docstring)."""
 
-    runtime_names = frozenset({MERGED_LINEAR})
+    runtime_names = frozenset({MERGED_LINEAR, LINEAR_PIECES})
 
     def claim(self, nodes: list[fx.Node]) -> tuple[list[FusionPlan], list[fx.Node]]:
         """The plans this kind makes of a same-input group of linear call nodes (each node's `target` is the
@@ -85,14 +86,16 @@ class LinearKind(Kind):
         return _plain_subplans(module, plan)
 
     def smaller_after_rewrite(self, classdef: ast.ClassDef, plan: FusionPlan, refusal: Refused) -> list[FusionPlan]:
-        if refusal.rule == "different-inputs":
-            return _same_spelling_subplans(astutil.method(classdef, "forward"), plan)
+        forward = astutil.method(classdef, "forward")
         if refusal.rule == "unusual-init" or spans_blocks(astutil.method(classdef, "__init__"), plan.projections):
             groups = same_block_groups(astutil.method(classdef, "__init__"), plan.projections)
             return [fusions.kind(SIBLINGS).plan(names) for names in groups]
         if refusal.rule in RULE_IDS and refusal.line is not None:
-            return _called_before_subplans(astutil.method(classdef, "forward"), plan, refusal.line)
-        return []
+            called_before = _called_before_subplans(forward, plan, refusal.line)
+            if called_before:
+                return called_before
+        # A group read from two inputs (`rewrite_cross`) may be refused by any rule; its same-input part may merge.
+        return _same_spelling_subplans(forward, plan)
 
 
 def join_names(names: list[str]) -> str:

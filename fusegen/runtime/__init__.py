@@ -14,7 +14,7 @@ from .checkpoint import (
     register_stacked_checkpoint,
 )
 from .files import CheckpointError
-from .linear import MergedColumnLinear
+from .linear import MergedColumnLinear, linear_pieces
 from .loading import load_checkpoint, load_weights
 from .peft import AdapterError
 from .peft import load_adapter as load_adapter_packed
@@ -63,6 +63,7 @@ __all__ = [
     "check_source",
     "fused_from_pretrained",
     "init_fused_parallel_plans",
+    "linear_pieces",
     "load_adapter_packed",
     "load_checkpoint",
     "load_weights",

@@ -117,3 +117,55 @@ class MergedColumnLinear(nn.Linear):
         """Show the per-projection sizes, so a printed model reveals how the fused output is laid out."""
         text = f"{super().extra_repr()}, output_sizes={self.output_sizes}"
         return text if all(self.bias_pieces) or self.bias is None else f"{text}, bias_pieces={self.bias_pieces}"
+
+
+def _computes_as_plain(linear: nn.Module) -> bool:
+    """Is `linear` an unwrapped, hook-free `MergedColumnLinear` with plain tensors for parameters?
+
+    Only then may `linear_pieces` compute some of its rows on their own: anything else (a PEFT LoRA layer, a
+    quantizer's linear, tensor parallelism's hooks and DTensors, a parametrization, `functional_call`'s swapped-in
+    tensors, a user's hook) defines its output through its own forward, which `linear_pieces` then calls.
+    """
+    from torch.nn.modules import module as torch_module
+
+    hooks = (
+        linear._forward_hooks, linear._forward_pre_hooks, linear._backward_hooks, linear._backward_pre_hooks,
+        torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
+        torch_module._global_backward_hooks, torch_module._global_backward_pre_hooks,
+    )  # fmt: skip
+    if type(linear) is not MergedColumnLinear or any(hooks):
+        return False
+    parameters = [linear.weight] if linear.bias is None else [linear.weight, linear.bias]
+    return all(type(p) is nn.Parameter and type(p.data) is torch.Tensor for p in parameters)
+
+
+def linear_pieces(
+    linear: nn.Module, input: torch.Tensor, sizes: Sequence[int], pieces: Sequence[int]
+) -> tuple[torch.Tensor, ...]:
+    """Pieces `pieces` (indices into `sizes`, ascending) of `linear(input).split(sizes, dim=-1)`.
+
+    A generated attention that serves both self- and cross-attention (`fusegen/compiler/rewrite_cross.py`) computes
+    all of q/k/v in one GEMM when q and k/v read the same tensor, and only some pieces when they do not (q on the
+    decoder's states, k/v on the encoder's). Exactness: for a plain merged linear (`_computes_as_plain`) and
+    contiguous pieces, the result is `F.linear` with those rows of the weight and of the bias (the rows of a piece
+    without a bias replaced by zeros, exactly as `MergedColumnLinear.forward` does, or no bias at all when no
+    selected piece has one), which is what each original projection computes from the same rows: the same
+    values, and gradients reaching exactly those rows. Every other module (wrapped, quantized, sharded, hooked) is
+    called whole and its output split, so whatever its forward adds (a LoRA delta, hooks, a dequantization) is
+    applied exactly as for the one-GEMM path; only the rows not asked for are computed in vain.
+    """
+    sizes = [int(size) for size in sizes]
+    pieces = [int(piece) for piece in pieces]
+    contiguous = pieces == list(range(pieces[0], pieces[0] + len(pieces)))
+    if not (contiguous and _computes_as_plain(linear) and sizes == linear.output_sizes):
+        outputs = linear(input).split(sizes, dim=-1)
+        return tuple(outputs[piece] for piece in pieces)
+    start = sum(sizes[: pieces[0]])
+    stop = start + sum(sizes[piece] for piece in pieces)
+    bias = None
+    if linear.bias is not None and any(linear.bias_pieces[piece] for piece in pieces):
+        rows = linear.bias.split(sizes)
+        kept = [rows[piece] if linear.bias_pieces[piece] else torch.zeros_like(rows[piece]) for piece in pieces]
+        bias = torch.cat(kept)
+    output = F.linear(input, linear.weight[start:stop], bias)
+    return tuple(output.split([sizes[piece] for piece in pieces], dim=-1))
