@@ -1,5 +1,7 @@
 """Fixtures only; the shared helpers (random model, small config, load pair, the tolerance) are in fusegen/testkit.py."""
 
+import sys
+
 import pytest
 
 from fusegen.testkit import save_random
@@ -14,3 +16,15 @@ def checkpoint(tmp_path):
         return path, save_random(model_class, config, path, **save_kwargs)
 
     return make
+
+
+@pytest.fixture
+def case_path(tmp_path, monkeypatch):
+    """A directory on sys.path for toy-model cases (`tests/test_hazards.write_case`); the cases' modules and any
+    global hooks they registered are removed afterwards, so no case outlives its test."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith("hazard_cases")]:
+        for handle in getattr(sys.modules[name], "_HOOKS", []):
+            handle.remove()
+        del sys.modules[name]

@@ -13,6 +13,7 @@ is proved (`fusegen/compiler/rewrite_cross.py`), every cross-attention use still
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,10 +35,9 @@ from fusegen.compiler import astutil
 from fusegen.compiler.build import build
 from fusegen.compiler.plan import Refused
 from fusegen.runtime import MergedColumnLinear, linear_pieces
-from fusegen.testkit import GRAD_TOLERANCE, TOLERANCE, random_model, toy_source
+from fusegen.testkit import GRAD_TOLERANCE, TOLERANCE, import_file, random_model, toy_source
 from tests.test_conditional_fusion import WHISPER, expected_gradient
-from tests.test_hazards import case_path, outcome  # noqa: F401 - case_path is a fixture
-from tests.test_strict_loading import import_file
+from tests.test_hazards import outcome
 
 IDS = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(1))
 ENCODER_LENGTH = 7
@@ -260,7 +260,7 @@ def test_whisper_lora_on_q_and_v_with_encoder_states(built, tmp_path):
 
 
 def test_generated_whisper_attention_reads_as_the_source_with_the_switch(built):
-    text = open(built["whisper"].__file__).read()
+    text = Path(built["whisper"].__file__).read_text()
     assert (
         "        if key_value_states is None:\n            q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(" in text
     )

@@ -23,7 +23,7 @@ from fusegen.testkit import (
     small_config,
 )
 from generated.fused_llama import FusedLlamaForCausalLM
-from tests.test_hazards import QKV, RETURN, case_path, outcome, write_case  # noqa: F401 (case_path is a fixture)
+from tests.test_hazards import QKV, RETURN, outcome, write_case
 
 pytestmark = pytest.mark.slow  # PEFT, export and remote-code loads, many in fresh processes
 
@@ -89,7 +89,7 @@ def test_forward_survives_a_wrapper_that_hides_output_sizes(checkpoint):
     assert torch.equal(_logits(fused), expected)
 
 
-def test_sizes_attribute_is_checked_for_name_clashes(case_path):  # noqa: F811
+def test_sizes_attribute_is_checked_for_name_clashes(case_path):
     block = outcome(write_case(case_path, "sizes_taken", "        self.qkv_proj_sizes = 3\n", QKV + RETURN))
     assert [r.rule for r in block.refused if r.projections == ("q_proj", "k_proj", "v_proj")] == ["name-clash"]
     assert "qkv_proj_sizes" in block.refused[0].reason

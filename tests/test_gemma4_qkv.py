@@ -342,7 +342,7 @@ def test_composite_gemma4_variants_reach_its_text_config():
 @pytest.fixture(scope="module")
 def gemma3n(tmp_path_factory):
     from fusegen.compiler.build import build
-    from tests.test_strict_loading import import_file
+    from fusegen.testkit import import_file
 
     path = tmp_path_factory.mktemp("gemma3n") / "fused_gemma3n_text.py"
     path.write_text(build("gemma3n_text").text)

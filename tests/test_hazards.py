@@ -6,7 +6,6 @@ type: `fusegen build <dotted module path>`.
 """
 
 import importlib
-import sys
 
 import pytest
 import torch
@@ -545,16 +544,6 @@ def write_case(tmp_path, name, init, forward, extra="", layer=""):
     module_name = f"toy_{name}"
     (package / f"{module_name}.py").write_text(toy_source(module_name, init, forward, extra, layer))
     return f"hazard_cases.{module_name}"
-
-
-@pytest.fixture
-def case_path(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    for name in [m for m in sys.modules if m.startswith("hazard_cases")]:
-        for handle in getattr(sys.modules[name], "_HOOKS", []):
-            handle.remove()  # global hooks a case registered must not outlive it
-        del sys.modules[name]
 
 
 def outcome(dotted):

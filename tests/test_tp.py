@@ -386,7 +386,7 @@ def _built_classes(model_type, path):
     file the launcher built next to the checkpoints."""
     if model_type not in BUILT:
         return _classes(model_type)
-    from tests.test_strict_loading import import_file
+    from fusegen.testkit import import_file
 
     _, original_class = original_classes(model_type)
     module = import_file(Path(path).parent / "built" / f"fused_{model_type}.py", f"tp_built_fused_{model_type}")
