@@ -710,3 +710,44 @@ def test_conditional_sibling_merges_only_where_it_is_built(case_path):
     assert built.ab_proj.output_sizes == [4, 4] and built.b_proj is None
     plain = fused_module.FusedToyForCausalLM(original_module.ToyConfig(flag=False)).model.layers[0].block
     assert plain.ab_proj is None and type(plain.b_proj) is torch.nn.Linear
+
+
+def _through(binding, write):
+    """q, k and v read `z`, bound by `binding` from a name `write` changes between q and k."""
+    return (
+        "        y = x * 1\n        a = x * 3\n"
+        + "".join(f"        {line}\n" for line in binding.split("\n"))
+        + f"        q = self.q_proj(z)\n        {write}\n        k = self.k_proj(z)\n        v = self.v_proj(z)\n"
+        + RETURN
+    )
+
+
+SOURCE_HAZARDS = {
+    # name: (forward, rule): a write through a name the projection input was bound FROM reaches the input
+    "source_plain": (_through("z = y", "y.mul_(2)"), "inplace-call"),
+    "source_view": (_through("z = y.view(2, -1, 16)", "y.mul_(2)"), "inplace-call"),
+    "source_conditional": (_through("z = a if self.flag else y", "y[0] = 0"), "input-written"),
+    "source_chain": (_through("w = y[0:]\nz = w", "y += 1"), "aliased-augassign"),
+    "source_parameter": (_through("z = x", "x.add_(1)"), "inplace-call"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOURCE_HAZARDS))
+def test_write_through_a_source_of_the_input_is_refused(case_path, name):
+    forward, rule = SOURCE_HAZARDS[name]
+    block = outcome(write_case(case_path, name, "", forward))
+    refusal = assert_refused_with(block, rule)
+    assert refusal.line, refusal.describe()
+
+
+def test_write_through_a_source_between_k_and_v_is_refused(case_path):
+    # The cross-attention shape: k and v read `current`, bound from `other`, which is written between them.
+    forward = (
+        "        other = x.flip(1)\n"
+        "        q = self.q_proj(x)\n"
+        "        current = other if self.flag else x\n"
+        "        k = self.k_proj(current)\n        other.mul_(2)\n        v = self.v_proj(current)\n" + RETURN
+    )
+    block = outcome(write_case(case_path, "source_cross", "", forward))
+    assert_refused_with(block, "inplace-call")
+    assert not block.fused, [plan.describe() for plan in block.fused]

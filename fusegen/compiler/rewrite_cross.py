@@ -38,7 +38,7 @@ and the reason, and the plain k + v fusion is tried next):
    so computing pieces a path never reads (the reuse branch) changes no value.
 4. Otherwise (`A` not None) nothing is hoisted across the uses: q is computed at the q site from `H`, and k/v
    at their own site from `C` (their pair passes the input-stability rules for `C` there, as the plain k + v
-   fusion does), with `linear_pieces`, which computes exactly those rows (`fusegen/runtime/linear.py`).
+   fusion does; the rules also guard the states `C` was bound from, `safety.sources`), with `linear_pieces`, which computes exactly those rows (`fusegen/runtime/linear.py`).
    The reuse branch still computes no k/v.
 
 A false alarm costs the q fusion (k + v still merge); a miss would feed k/v the wrong states, so every form not
@@ -74,11 +74,11 @@ def rewrite_self_or_cross(
     position = _shared_first(funcdef, block, calls, shared, own)
     region = _region_until(block, first, last, [*calls, binding])
     hidden = calls[shared[0]].args[0]
-    safety.check_input_stable(funcdef, region, _with_sources(funcdef, {hidden.id}), module, namespace, calls)
+    safety.check_input_stable(funcdef, region, hidden, module, namespace, calls)
     own_block, own_first, own_last = _dominating_region(funcdef, [calls[i] for i in own])
     own_calls = [calls[i] for i in own]
     own_region = own_block[own_first : own_last + 1]
-    safety.check_input_stable(funcdef, own_region, _with_sources(funcdef, {current.id}), module, namespace, own_calls)
+    safety.check_input_stable(funcdef, own_region, current, module, namespace, own_calls)
     _splice(funcdef, plan, calls, shared, own, switch, (block, position), (own_block, own_first), module)
 
 
@@ -239,46 +239,6 @@ def _shared_first(funcdef, block: list[ast.stmt], calls: list[ast.Call], shared:
     if max(index(calls[i]) for i in shared) >= first_own:
         raise _refuse(calls, "the projections on the second input do not all come after those on the first")
     return min(index(calls[i]) for i in shared)
-
-
-def _with_sources(funcdef: ast.FunctionDef, names: set[str]) -> ast.Tuple:
-    """`names` and every local name they may have been bound from, transitively, as one tuple for the rules.
-
-    The input-stability rules follow aliases forward (names bound from the input); the tensor `current_states`
-    holds may also be reached through the names it was bound from: `key_value_states` in cross-attention, which a
-    write between the k and v calls (`key_value_states.mul_(2)`) would change under v but not under the merged
-    call. Tracking those names as inputs too makes such a write (or a rebinding) a refusal; a false alarm costs the
-    fusion. Which names a value may be is read off its shape (`_value_names`).
-    """
-    local = safety._local_names(funcdef) - {"self"}
-    found = set(names)
-    changed = True
-    while changed:
-        changed = False
-        for targets, value in safety._bindings(funcdef):
-            if {name for target in targets for name in safety.bound_names(target)} & found:
-                new = (_value_names(value) & local) - found
-                if new:
-                    found |= new
-                    changed = True
-    return ast.Tuple([ast.Name(name, ast.Load()) for name in sorted(found)], ast.Load())
-
-
-def _value_names(value: ast.expr) -> set[str]:
-    """Names whose object `value` may be, or be a view of: the chosen sides of `a if c else b` and `a or b`, the
-    base of `a.attr` / `a[i]`, a name itself; a comparison or constant is none; any other expression, every name
-    it reads (a false alarm costs a fusion)."""
-    if isinstance(value, ast.Name):
-        return {value.id}
-    if isinstance(value, (ast.Compare, ast.Constant)):
-        return set()
-    if isinstance(value, ast.IfExp):
-        return _value_names(value.body) | _value_names(value.orelse)
-    if isinstance(value, ast.BoolOp):
-        return {name for operand in value.values for name in _value_names(operand)}
-    if isinstance(value, (ast.Attribute, ast.Subscript)):
-        return _value_names(value.value)
-    return astutil.loaded_names(value)
 
 
 def _region_until(block: list[ast.stmt], first: int, last: int, nodes: list[ast.AST]) -> list[ast.stmt]:

@@ -228,6 +228,31 @@ def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namesp
     return _aliases(funcdef, seeds, module, namespace, stash=True)
 
 
+def sources(funcdef: ast.FunctionDef, names: set[str], module: nn.Module) -> set[str]:
+    """`names` and every local name (parameters included) they may have been bound from, transitively.
+
+    `aliases` follows the input forward, to names bound from it; the tensor the input names may also be reached
+    through the names it was bound from: after `z = y`, `z = y.view(s)` or `z = a if c else y`, a write through `y`
+    (`y.mul_(2)`) between the projections changes what the later ones read from `z`, though nothing bound from `z`
+    is touched. A binding of a collected name makes every name its value may alias (`may_alias`, the relation
+    `aliases` follows forward) a source too. Flow-insensitive, as `aliases`: any binding anywhere counts, so a
+    false alarm costs a fusion; a miss returns wrong numbers.
+    """
+    local = _local_names(funcdef) - {"self"}
+    bindings = list(_bindings(funcdef))
+    found = set(names)
+    changed = True
+    while changed:
+        changed = False
+        for targets, value in bindings:
+            if {name for target in targets for name in bound_names(target)} & found:
+                new = {name for name in (_loads(value) & local) - found if may_alias(value, {name}, module)}
+                if new:
+                    found |= new
+                    changed = True
+    return found
+
+
 def _aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace, stash: bool) -> set[str]:
     """`aliases`, with or without the names that come to hold an alias by being handed one (`stash`)."""
     bindings = list(_bindings(funcdef))
@@ -996,9 +1021,14 @@ def check_input_stable(
     namespace: dict,
     projection_calls: list[ast.Call],
 ) -> None:
-    """Run every rule; raises `Refused` naming the first that fires."""
+    """Run every rule; raises `Refused` naming the first that fires.
+
+    The write, escape and capture rules see every name that may refer to the input's tensor: the names it was
+    bound from (`sources`) and every alias of those (`aliases`). Rebinding is judged on the input's own names:
+    rebinding a source leaves the tensor the input names as it was.
+    """
     names = input_names(arg)
-    tracked = aliases(funcdef, names, module, namespace)
+    tracked = aliases(funcdef, sources(funcdef, names, module), module, namespace)
     local = _local_names(funcdef)
     _raise_first(
         itertools.chain(
