@@ -8,9 +8,9 @@ through it, and not by writing a view that shares its storage.
 
 The analysis is an allowlist. Between the first and the last projection
 call, every expression that could reach the input or a possible alias of it
-(as an argument, a receiver, a callee, an augmented-assignment target, or
-through the frame) must be *shown* not to write it, by a rule that names
-what it trusts:
+(the names it was bound from included, `sources`; as an argument, a
+receiver, a callee, an augmented-assignment target, or through the frame)
+must be *shown* not to write it, by a rule that names what it trusts:
 
 * torch functions and tensor methods known to be pure (`PURE_TORCH`,
   `torch.nn.functional`, `PURE_METHODS`), never their in-place `_` variants,
