@@ -751,3 +751,31 @@ def test_write_through_a_source_between_k_and_v_is_refused(case_path):
     block = outcome(write_case(case_path, "source_cross", "", forward))
     assert_refused_with(block, "inplace-call")
     assert not block.fused, [plan.describe() for plan in block.fused]
+
+
+STATE_HAZARDS = {
+    # name: forward: the projection input is bound from a tensor attribute of `self`, written between q and k
+    "state_plain": _through("self.kept = y * 1\nz = self.kept", "self.kept.mul_(2)"),
+    "state_view": _through("self.kept = y * 1\nz = self.kept.view(2, -1, 16)", "self.kept.mul_(2)"),
+    "state_conditional": _through(
+        "self.kept = y * 1\nz = self.kept if self.training else self.kept.flip(0)", "self.kept[0] = 0"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATE_HAZARDS))
+def test_an_input_bound_from_module_state_is_refused(case_path, name):
+    block = outcome(write_case(case_path, name, "", STATE_HAZARDS[name]))
+    refusal = assert_refused_with(block, "state-source")
+    assert refusal.line, refusal.describe()
+
+
+def test_an_input_scaled_by_a_plain_attribute_still_fuses(case_path):
+    # `self.scale` holds a float: reading it into the input gives the input no storage of the module's.
+    forward = (
+        "        z = x * self.scale\n"
+        + "".join(f"        {c}\n" for c in ("q = self.q_proj(z)", "k = self.k_proj(z)", "v = self.v_proj(z)"))
+        + RETURN
+    )
+    block = outcome(write_case(case_path, "state_plain_scale", "        self.scale = 0.5\n", forward))
+    assert [plan.merged for plan in block.fused] == ["qkv_proj"], [r.describe() for r in block.refused]

@@ -32,6 +32,16 @@ MUTANTS = {
     "impure-call": Case((Q, "scale_in_place(x)", K, V)),
     # the block is handed its own state buffer (a pre-hook on the block), which `reset_state` zeroes
     "state-method-call": Case((Q, "self.reset_state()", K, V), setup="block_state_input"),
+    "state-source": Case(
+        (
+            "self.kept = x * 1",
+            "z = self.kept",
+            "q = self.q_proj(z)",
+            "self.kept.mul_(2)",
+            "k = self.k_proj(z)",
+            "v = self.v_proj(z)",
+        )
+    ),
     "frame-access": Case((Q, "poke()", K, V)),
     "global-hook": Case((Q, K, V), setup="global_hook"),
     "projection-hook": Case((Q, K, V), setup="forward_hook"),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import inspect
 import itertools
 import operator
@@ -250,6 +251,62 @@ def sources(funcdef: ast.FunctionDef, names: set[str], module: nn.Module) -> set
                 if new:
                     found |= new
                     changed = True
+    return found
+
+
+PLAIN_STATE = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device)
+"""Attribute values that hold no storage: reading one into the input cannot make the input module state."""
+
+
+def check_no_state_source(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Module):
+    """Refuse if a name that may refer to the input is bound from a tensor-holding attribute of `self`.
+
+    `sources` follows local names only (following `self` would take every `h = self.norm(h)`), so after
+    `z = self.cache` the tensor the projections read is also reachable as `self.cache`, and a write between them
+    (`self.cache.mul_(2)`, or any callee handed `self`) changes what the later ones read without naming `z`.
+    An attribute whose instance value is a submodule is judged by the submodule-call rules, and one holding a
+    plain number, string, dtype or device has no storage; every other attribute (a tensor, a buffer, an object,
+    or one the forward itself sets) counts. Flow-insensitive, as `sources`: a false alarm costs a fusion; a miss
+    returns wrong numbers.
+    """
+    for targets, value in _bindings(funcdef):
+        if not {name for target in targets for name in bound_names(target)} & tracked:
+            continue
+        for attr in _state_attributes(value, module):
+            yield Refused(
+                "state-source",
+                f"`{ast.unparse(value)}` may make the input `self.{attr}`, which code between the projections can"
+                " write without naming the input",
+                value,
+            )
+
+
+class _SelfAttributeAsName(ast.NodeTransformer):
+    """Rewrites every `self.<attr>` to the name `marker`, so `may_alias` can be asked about that attribute."""
+
+    def __init__(self, attr: str, marker: str):
+        self.attr, self.marker = attr, marker
+
+    def visit_Attribute(self, node: ast.Attribute) -> ast.expr:
+        if self_attr(node, self.attr):
+            return ast.copy_location(ast.Name(self.marker, ast.Load()), node)
+        return self.generic_visit(node)
+
+
+def _state_attributes(value: ast.expr, module: nn.Module) -> list[str]:
+    """The `self.<attr>` reads in `value` whose storage the value may share (`may_alias`), submodules and plain
+    values excepted (see `check_no_state_source`)."""
+    found = []
+    for node in ast.walk(value):
+        if not (self_attr(node) and isinstance(node.ctx, ast.Load)):
+            continue
+        held = getattr(module, node.attr, None)
+        if isinstance(held, nn.Module) or (hasattr(module, node.attr) and isinstance(held, PLAIN_STATE)):
+            continue
+        marker = f"__state_{node.attr}__"
+        marked = _SelfAttributeAsName(node.attr, marker).visit(copy.deepcopy(value))
+        if may_alias(marked, {marker}, module) and node.attr not in found:
+            found.append(node.attr)
     return found
 
 
@@ -1041,6 +1098,7 @@ def check_input_stable(
             check_no_opaque_aliases(funcdef, region, tracked, names, module, namespace, projection_calls),
             check_calls(region, tracked, module, namespace, projection_calls, local),
             check_no_state_methods(region, module),
+            check_no_state_source(funcdef, tracked, module),
             check_frame_access(funcdef, namespace),
         )
     )
@@ -1059,7 +1117,7 @@ def _raise_first(findings) -> None:
 RULE_IDS = (
     "reflection", "input-rebound", "input-written", "aliased-augassign", "input-escapes", "deferred-capture",
     "opaque-alias", "inplace-call", "inplace-operator", "dynamic-attribute", "unknown-callee", "impure-call",
-    "state-method-call", "frame-access", "global-hook", "parametrized-projection", "linear-subclass",
+    "state-method-call", "state-source", "frame-access", "global-hook", "parametrized-projection", "linear-subclass",
     "projection-hook", "dtype-mismatch", "device-mismatch",
 )  # fmt: skip
 """Every rule id this module can refuse with (besides `input-not-simple`, which guards the input's spelling)."""
