@@ -779,3 +779,22 @@ def test_an_input_scaled_by_a_plain_attribute_still_fuses(case_path):
     )
     block = outcome(write_case(case_path, "state_plain_scale", "        self.scale = 0.5\n", forward))
     assert [plan.merged for plan in block.fused] == ["qkv_proj"], [r.describe() for r in block.refused]
+
+
+def test_an_input_bound_from_module_state_fuses_when_nothing_writes_state(case_path):
+    forward = (
+        "        self.kept = x * 1\n        z = self.kept\n"
+        "        q = self.q_proj(z)\n        k = self.k_proj(z)\n        v = self.v_proj(z)\n" + RETURN
+    )
+    block = outcome(write_case(case_path, "state_unwritten", "", forward))
+    assert [plan.merged for plan in block.fused] == ["qkv_proj"], [r.describe() for r in block.refused]
+
+
+def test_an_input_returned_by_a_method_is_refused_when_a_callee_is_handed_self(case_path):
+    # `self.pick()` may return `self.kept`; `poke_state(self)` may write it between q and k.
+    forward = _through("self.kept = y * 1\nz = self.pick()", "poke_state(self)")
+    extra = "\n\ndef poke_state(block):\n    block.kept.mul_(2)\n"
+    block = outcome(
+        write_case(case_path, "state_method", "        self.pick = lambda: self.kept\n", forward, extra=extra)
+    )
+    assert_refused_with(block, "state-source")

@@ -13,12 +13,10 @@ import torch
 from fusegen.compiler import rewrite_forward
 from fusegen.compiler.build import build
 from fusegen.testkit import GRAD_TOLERANCE, MODELS, TOLERANCE, model_classes, random_model, small_config
-from tests import test_hazards
 from tests.test_hazards import GLU_INIT, write_case
 
 pytestmark = pytest.mark.slow  # training steps and toy builds with validation
 
-case_path = test_hazards.case_path  # the hazard tests' fixture: a package dir on sys.path for toy modules
 
 # The toy block's forward writes projection outputs in place, each in another spelling; q/k/v are only read.
 IN_PLACE_FORWARDS = {

@@ -258,27 +258,67 @@ PLAIN_STATE = (int, float, bool, complex, str, bytes, type(None), torch.dtype, t
 """Attribute values that hold no storage: reading one into the input cannot make the input module state."""
 
 
-def check_no_state_source(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Module):
-    """Refuse if a name that may refer to the input is bound from a tensor-holding attribute of `self`.
+def check_no_state_source(funcdef: ast.FunctionDef, region: list[ast.stmt], tracked: set[str], module: nn.Module):
+    """Refuse if the input may be module state and the region may write module state.
 
     `sources` follows local names only (following `self` would take every `h = self.norm(h)`), so after
-    `z = self.cache` the tensor the projections read is also reachable as `self.cache`, and a write between them
-    (`self.cache.mul_(2)`, or any callee handed `self`) changes what the later ones read without naming `z`.
-    An attribute whose instance value is a submodule is judged by the submodule-call rules, and one holding a
-    plain number, string, dtype or device has no storage; every other attribute (a tensor, a buffer, an object,
-    or one the forward itself sets) counts. Flow-insensitive, as `sources`: a false alarm costs a fusion; a miss
-    returns wrong numbers.
+    `z = self.kept` (or `z = self.helper(...)`, which may return `self.kept`) the tensor the projections read is
+    also reachable through `self`, and a write between them (`self.kept.mul_(2)`, `self.kept[0] = 0`, a callee
+    handed `self` or a piece of its state) changes what the later ones read without naming `z`. An attribute
+    whose instance value is a submodule is judged by the submodule-call rules, and one holding a plain number,
+    string, dtype or device has no storage. Both sides are judged on names, flow-insensitively on the source
+    side: a false alarm costs a fusion; a miss returns wrong numbers. (Self-method calls in the region are
+    `state-method-call`'s.)
     """
-    for targets, value in _bindings(funcdef):
-        if not {name for target in targets for name in bound_names(target)} & tracked:
-            continue
-        for attr in _state_attributes(value, module):
-            yield Refused(
-                "state-source",
-                f"`{ast.unparse(value)}` may make the input `self.{attr}`, which code between the projections can"
-                " write without naming the input",
-                value,
-            )
+    sources = [
+        (value, attr)
+        for targets, value in _bindings(funcdef)
+        if {name for target in targets for name in bound_names(target)} & tracked
+        for attr in _state_attributes(value, module)
+    ]
+    if not sources:
+        return
+    write = next(_module_state_writes(region, module), None)
+    if write is not None:
+        value, attr = sources[0]
+        yield Refused(
+            "state-source",
+            f"`{ast.unparse(value)}` may make the input `self.{attr}`, and `{ast.unparse(write).strip()}` may write"
+            " module state between the projections",
+            write,
+        )
+
+
+def _state_root(expr: ast.expr, module: nn.Module) -> str | None:
+    """The attribute `a` when `expr` is `self.a` or reached from it by attributes and items (`self.a[0].data`),
+    `a` holding neither a submodule nor a plain value; else None."""
+    while isinstance(expr, (ast.Attribute, ast.Subscript)) and not self_attr(expr):
+        expr = expr.value
+    if not self_attr(expr):
+        return None
+    held = getattr(module, expr.attr, None)
+    if isinstance(held, nn.Module) or (hasattr(module, expr.attr) and isinstance(held, PLAIN_STATE)):
+        return None
+    return expr.attr
+
+
+def _module_state_writes(region: list[ast.stmt], module: nn.Module):
+    """Nodes of the region that may write module state: a store into or augmented assignment of `self.a...`, a
+    method of `self.a...` other than a pure or metadata one, a call handed `self` or `self.a...`."""
+    for node in _region_nodes(region):
+        if isinstance(node, ast.AugAssign) and _state_root(node.target, module):
+            yield node
+        elif isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            if _state_root(node.value, module):
+                yield node
+        elif isinstance(node, ast.Call):
+            func = node.func
+            method = func.attr if isinstance(func, ast.Attribute) else None
+            if method and method not in PURE_METHODS | METADATA_METHODS and _state_root(func.value, module):
+                yield node
+            operands = [*node.args, *(keyword.value for keyword in node.keywords)]
+            if any(isinstance(o, ast.Name) and o.id == "self" or _state_root(o, module) for o in operands):
+                yield node
 
 
 class _SelfAttributeAsName(ast.NodeTransformer):
@@ -1098,7 +1138,7 @@ def check_input_stable(
             check_no_opaque_aliases(funcdef, region, tracked, names, module, namespace, projection_calls),
             check_calls(region, tracked, module, namespace, projection_calls, local),
             check_no_state_methods(region, module),
-            check_no_state_source(funcdef, tracked, module),
+            check_no_state_source(funcdef, region, tracked, module),
             check_frame_access(funcdef, namespace),
         )
     )
