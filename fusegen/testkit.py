@@ -103,16 +103,24 @@ def model_config(target, config):
     """The config the causal LM takes: the composite config's text part when the class is built from that.
 
     `MODEL_FOR_CAUSAL_LM_MAPPING` maps some composite model types (`qwen3_5`, `llama4`) to a text-only causal LM
-    whose `config_class` is the text config; the compiler builds those from the text part too.
+    whose `config_class` is the text config; the compiler builds those from the text part too. Where the text part
+    is ambiguous (MusicGen holds a text encoder and a decoder), the one sub-config of exactly the wanted class is it.
     """
     wanted = getattr(target.causal_lm, "config_class", None)
     if wanted is None or isinstance(config, wanted):
         return config
     try:
         text = config.get_text_config()
-    except Exception:  # noqa: BLE001 - no unambiguous text part: keep the config as it is
-        return config
+    except Exception:  # noqa: BLE001 - no unambiguous text part: look for the sub-config of the wanted class
+        text = _sub_config_of_class(config, wanted)
     return text if isinstance(text, wanted) else config
+
+
+def _sub_config_of_class(config, wanted):
+    """The one sub-config of `config` that is a `wanted`, or None if there is none or more than one."""
+    found = [getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}]
+    found = [sub for sub in found if isinstance(sub, wanted)]
+    return found[0] if len(found) == 1 else None
 
 
 def tiny_config(target, **overrides):

@@ -160,3 +160,52 @@ def test_report_names_a_trace_stop_even_when_the_class_fused_something():
     text = report_text([SimpleNamespace(target=target, outcomes=[outcome])])
     assert "XMLP: fused gate_proj + up_proj -> gate_up_proj (glu)" in text
     assert "XMLP: trace stopped early (TraceStopped: control flow depends on the traced value eq)" in text
+
+
+class _CacheFailingModel(_Model):
+    """Its default cache fails before the first layer, as hybrid models' caches do on `get_seq_length`."""
+
+    def forward(self, input_ids, use_cache=True):
+        if use_cache:
+            raise ValueError("`get_seq_length` can only be called on Attention layers")
+        return super().forward(input_ids)
+
+
+def test_a_forward_that_fails_with_its_cache_is_recorded_without_it():
+    with torch.device("meta"):
+        model = _CacheFailingModel()
+    recorded = record_inputs(model, [model.attention])
+    assert id(model.attention) in recorded
+    assert trace_module(model.attention, recorded[id(model.attention)]).error is None
+
+
+class _GatedNorm(nn.Module):
+    """A norm with no linear child whose forward unpacks its input's shape (Bamba's gated RMS norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, hidden_states, gate=None):
+        *prefix_dims, last_dim = hidden_states.shape
+        return self.weight * hidden_states.view(*prefix_dims, 2, last_dim // 2).view(*prefix_dims, last_dim)
+
+
+def test_a_norm_never_reached_gets_synthetic_hidden_states_as_wide_as_its_weight():
+    with torch.device("meta"):
+        norm = _GatedNorm()
+    assert trace_module(norm).error is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_type", "class_name"),
+    [
+        ("bamba", "BambaRMSNormGated"),  # the default cache fails the meta forward before any layer
+        ("granitemoehybrid", "GraniteMoeHybridRMSNormGated"),
+        ("dbrx", "DbrxAttention"),  # the default config's clip_qkv=None fails the clamp
+    ],
+)
+def test_trace_stops_of_the_coverage_sweep_are_gone(model_type, class_name):
+    outcomes = {outcome.class_name: outcome for outcome in analyse(model_type).outcomes}
+    assert outcomes[class_name].trace_error is None

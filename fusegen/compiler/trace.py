@@ -335,9 +335,9 @@ def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -
             config._experts_implementation = "batched_mm"
         model.eval()
         for root in _roots(model):
-            if all(id(module) in recorded for module in modules):
-                break
-            _run(root, length)
+            for options in _RUN_OPTIONS:
+                if all(id(module) in recorded for module in modules) or _run(root, length, **options):
+                    break
     finally:
         for handle in handles:
             handle.remove()
@@ -366,11 +366,22 @@ def _roots(model: nn.Module) -> list[nn.Module]:
     return [model, *nested]
 
 
-def _run(root: nn.Module, length: int) -> None:
-    """One forward of `root` on meta `input_ids`; a failure just ends the recording there."""
-    # upstream modeling code on meta may fail part-way; what was recorded up to there is still right
-    with contextlib.suppress(Exception), torch.no_grad():
-        root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"))
+_RUN_OPTIONS = ({}, {"use_cache": False})
+"""The config's defaults first; then without a cache, which some hybrid models' default cache cannot serve
+(`get_seq_length` on a cache holding only linear-attention layers fails before the first layer runs)."""
+
+
+def _run(root: nn.Module, length: int, **options) -> bool:
+    """One forward of `root` on meta `input_ids`; whether it ran to the end. A failure just ends the recording there.
+
+    A retry with other `options` only adds the calls of modules not yet recorded (the hook keeps the first call).
+    """
+    try:
+        with torch.no_grad():
+            root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"), **options)
+    except Exception:  # noqa: BLE001 - upstream code on meta may fail part-way; what was recorded is still right
+        return False
+    return True
 
 
 def _snapshot(recorded: Recorded) -> Recorded | None:
@@ -398,11 +409,15 @@ def _configs_with_experts(model: nn.Module) -> list[tuple[object, str]]:
 
 
 def _hidden_states_like(module: nn.Module) -> object:
+    """A meta batch of hidden states for `module`: as wide as its first linear's input, or, with no linear child
+    (a norm), as its own 1-d weight. Only the shape matters: it lets shape code trace; the graph is never run."""
     linear = next((child for child in module.children() if isinstance(child, nn.Linear)), None)
-    if linear is None:
-        return UNKNOWN
-    weight = linear.weight
-    return torch.empty(2, 3, linear.in_features, dtype=weight.dtype, device="meta")
+    if linear is not None:
+        return torch.empty(2, 3, linear.in_features, dtype=linear.weight.dtype, device="meta")
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return torch.empty(2, 3, weight.shape[0], dtype=weight.dtype, device="meta")
+    return UNKNOWN
 
 
 @contextlib.contextmanager
