@@ -61,11 +61,11 @@ def trace_module(module: nn.Module, recorded: Recorded | None = None) -> Trace:
     snapshot = None if recorded is None else _snapshot(recorded)
     if snapshot is None:
         why = "the model's meta forward never reached it" if recorded is None else "its recorded inputs do not copy"
-        return _with_note(_trace(module, None), f"traced with synthetic inputs: {why}")
+        return _with_note(_synthetic_trace(module), f"traced with synthetic inputs: {why}")
     trace = _trace(module, snapshot)
     if trace.error is None:
         return trace
-    synthetic = _trace(module, None)
+    synthetic = _synthetic_trace(module)
     if _child_calls(synthetic) > _child_calls(trace):
         return _with_note(
             synthetic, f"traced with synthetic inputs: with its recorded ones it stopped at {trace.error}"
@@ -78,13 +78,34 @@ def _with_note(trace: Trace, note: str) -> Trace:
     return trace if trace.error is None else Trace(trace.graph, f"{trace.error} ({note})")
 
 
-def _trace(module: nn.Module, recorded: Recorded | None) -> Trace:
+def _synthetic_trace(module: nn.Module) -> Trace:
+    """The trace with synthetic inputs that gets furthest: the plain ones first, then each of `_FILLED_INPUTS`.
+
+    Every variant is one way the forward can really be called (a cross-attention
+    given encoder states, a required mask given a mask), so each graph is a
+    specialisation the matcher only proposes groups from; the one that reaches
+    the end, or failing that sees the most child calls, can only find more.
+    """
+    best = _trace(module, None)
+    forward = inspect.unwrap(type(module).forward)
+    for fill in _FILLED_INPUTS:
+        if best.error is None:
+            break
+        filled = fill(module, inspect.signature(forward))
+        if filled:
+            trace = _trace(module, None, filled)
+            if trace.error is None or _child_calls(trace) > _child_calls(best):
+                best = trace
+    return best
+
+
+def _trace(module: nn.Module, recorded: Recorded | None, filled: dict | None = None) -> Trace:
     tracer = _MetaTracer(module)
     forward = inspect.unwrap(type(module).forward)
     error = None
     try:
         if recorded is None:
-            args, kwargs = _example_inputs(tracer, module, forward)
+            args, kwargs = _example_inputs(tracer, module, forward, filled or {})
         else:
             args, kwargs = _recorded_inputs(tracer, forward, module, recorded)
         with _children_as_leaves(tracer), _attention_as_leaf(tracer):
@@ -235,19 +256,22 @@ def _has_proxy(args, kwargs) -> bool:
     return found
 
 
-def _example_inputs(tracer: _MetaTracer, module: nn.Module, forward) -> tuple[list, dict]:
+def _example_inputs(tracer: _MetaTracer, module: nn.Module, forward, filled: dict) -> tuple[list, dict]:
     """Placeholders for `forward`'s parameters.
 
     The first parameter gets a meta value shaped like a batch of hidden states
     fed to the module's first linear; parameters with defaults keep them (so
     `if cache is not None` takes the simple path); the rest are unknown.
+    Parameters named in `filled` get a placeholder carrying that meta value.
     """
     parameters = list(inspect.signature(forward).parameters.values())[1:]
     args, kwargs = [], {}
     for index, parameter in enumerate(parameters):
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
-        if parameter.default is not parameter.empty and index > 0:
+        if parameter.name in filled:
+            value = _placeholder(tracer, parameter.name, filled[parameter.name])
+        elif parameter.default is not parameter.empty and index > 0:
             value = parameter.default
         else:
             value = tracer.create_proxy("placeholder", parameter.name, (), {})
@@ -406,6 +430,55 @@ def _configs_with_experts(model: nn.Module) -> list[tuple[object, str]]:
         if implementation is not None:
             found.setdefault(id(config), (config, implementation))
     return list(found.values())
+
+
+_CROSS_INPUTS = ("cross_attention_states", "encoder_hidden_states", "key_value_states")
+"""Names the cross-attention classes of Transformers give the encoder (or image) states their k/v read."""
+
+
+def _cross_attention_states(module: nn.Module, signature: inspect.Signature) -> dict:
+    """Encoder states for a cross-attention argument left at its default (None): a class the text-only forward
+    skips (Mllama's cross-attention layers) or reaches only with encoder outputs (BLT) reads them before k/v."""
+    states = _hidden_states_like(module)
+    if states is UNKNOWN:
+        return {}
+    return {name: states for name in _CROSS_INPUTS if name in signature.parameters}
+
+
+def _required_masks(module: nn.Module, signature: inspect.Signature) -> dict:
+    """A `(batch, length)` mask of ones for each required parameter called `*mask`: a forward that asks the mask's
+    rank (`mask.dim() == 3`, XLM) then traces on, where an unknown mask stops it before the projections."""
+    states = _hidden_states_like(module)
+    if states is UNKNOWN:
+        return {}
+    return {
+        name: torch.ones(states.shape[:2], dtype=torch.bool, device="meta")
+        for name, parameter in list(signature.parameters.items())[1:]
+        if name.endswith("mask") and parameter.default is parameter.empty
+    }
+
+
+def _no_required_masks(module: nn.Module, signature: inspect.Signature) -> dict:
+    """None for each required `*mask` parameter, as an unpadded batch passes it to most attentions: a layer that
+    unpacks its attention's result (`hidden_states, _ = self.self_attn(...)`) then knows the result's length."""
+    return {
+        name: None
+        for name, parameter in list(signature.parameters.items())[1:]
+        if name.endswith("mask") and parameter.default is parameter.empty
+    }
+
+
+def _image_shaped_states(module: nn.Module, signature: inspect.Signature) -> dict:
+    """Hidden states shaped `(batch, height, width, channels)` for the first parameter: windowed vision attentions
+    (SAM's, GOT-OCR2's) unpack four dimensions where a text attention unpacks three."""
+    states = _hidden_states_like(module)
+    parameters = list(signature.parameters)[1:]
+    if states is UNKNOWN or not parameters:
+        return {}
+    return {parameters[0]: torch.empty(2, 2, 3, states.shape[-1], dtype=states.dtype, device="meta")}
+
+
+_FILLED_INPUTS = (_cross_attention_states, _required_masks, _no_required_masks, _image_shaped_states)
 
 
 def _hidden_states_like(module: nn.Module) -> object:
