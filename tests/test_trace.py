@@ -210,6 +210,9 @@ def test_a_norm_never_reached_gets_synthetic_hidden_states_as_wide_as_its_weight
         ("moss_transcribe_diarize", "MossTranscribeDiarizeAudioLayer"),  # audio only: given no mask
         ("got_ocr2", "GotOcr2VisionAttention"),  # vision only: given (batch, height, width, channels)
         ("gemma3n_text", None),  # its ModuleList of altup projections is no candidate any more
+        ("gemma4_assistant", "Gemma4TextAttention"),  # recorded with a backbone's states, which it needs
+        ("gemma4_unified_assistant", "Gemma4UnifiedAssistantForCausalLM"),  # iterates shared_kv_states.items()
+        ("musicgen", None),
     ],
 )
 def test_trace_stops_of_the_coverage_sweep_are_gone(model_type, class_name):
@@ -299,3 +302,23 @@ def test_the_cross_attention_group_is_found_from_the_encoder_states():
         module = _CrossAttention()
     groups = find_groups(trace_module(module).graph, module)
     assert [plan.projections for plan in groups] == [("k_proj", "v_proj")]
+
+
+class _DictReader(_Attention):
+    """Rebuilds a recorded dict from its items before reading an entry (the Gemma 4 assistants' shared k/v)."""
+
+    def forward(self, hidden_states, shared):
+        shared = {key: (value[0] * 1, value[1]) for key, value in shared.items()}
+        keys = list(shared.keys())
+        hidden_states = hidden_states + shared[keys[0]][0] + sum(v[1] for v in shared.values())
+        return self.q_proj(hidden_states) + self.k_proj(hidden_states) + self.v_proj(hidden_states)
+
+
+def test_a_recorded_dict_is_iterated_by_its_keys_items_and_values():
+    with torch.device("meta"):
+        module = _DictReader()
+        states = torch.empty(2, 3, 8)
+        recorded = ((states,), {"shared": {"full_attention": (states, states), "sliding_attention": (states, states)}})
+    trace = trace_module(module, recorded)
+    assert trace.error is None
+    assert [plan.merged for plan in find_groups(trace.graph, module)] == ["qkv_proj"]

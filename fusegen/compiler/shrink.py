@@ -619,6 +619,10 @@ _QWEN4_EXP_INDEXER = {
     "indexer_compress_ratio": 2,
 }
 
+_ASSISTANT_CENTROIDS = {"num_centroids": 16, "centroid_intermediate_top_k": 4}
+"""The Gemma 4 assistants' ordered embeddings split the vocabulary into `num_centroids` clusters (2048 by default,
+more than the tiny vocabulary has tokens)."""
+
 _DOTS3_SWA = {
     "swa_num_attention_heads": HEADS,
     "swa_num_key_value_heads": HEADS,
@@ -654,6 +658,8 @@ FIXES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
         ffn_config={"ffn_hidden_size": EXPERT_INTERMEDIATE, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K},
     ),
+    # the cross-attention layers are listed by index at full depth ([3, 8, ...]): keep one among the two tiny layers
+    "mllama": lambda values: {**values, "text_config": {**values["text_config"], "cross_attention_layers": [1]}},
     # the rotary embedding reads `rope_parameters[layer_type]` per layer type, and the default leaves the dict empty
     "cohere_compass_text": _set(
         rope_parameters={
@@ -668,6 +674,8 @@ FIXES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "gemma4_assistant": lambda values: {
         **values,
         "text_config": {**values["text_config"], "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0},
+        **_ASSISTANT_CENTROIDS,
     },
+    "gemma4_unified_assistant": _set(**_ASSISTANT_CENTROIDS),
 }
 """model_type -> a function that adjusts the shrunk keyword arguments where the generic rules cannot."""

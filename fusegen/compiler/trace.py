@@ -134,7 +134,28 @@ class _MetaProxy(fx.Proxy):
         return len(value)
 
     def __iter__(self):
+        entries = self._mapping_entries()
+        if entries is not None:
+            return iter(entries)
         return iter([self[i] for i in range(len(self))])
+
+    def _mapping_entries(self) -> list | None:
+        """What iterating a known dict, or its `.keys()`/`.values()`/`.items()`, yields: its keys as they are (plain
+        data, as in the recorded call, so a dict rebuilt from them still finds `shared_kv_states["full_attention"]`),
+        each value a `getitem` of the dict; None for anything else. A dict view cannot be indexed, so `self[i]`
+        would make every entry unknown."""
+        node, method = self.node, "keys"
+        if node.op == "call_method" and node.target in ("keys", "values", "items") and node.args:
+            node, method = node.args[0], node.target
+        mapping = module_value(node) if isinstance(node, fx.Node) else UNKNOWN
+        if not isinstance(mapping, dict) or not all(isinstance(key, (str, int, enum.Enum)) for key in mapping):
+            return None
+        source = self.tracer.proxy(node)
+        if method == "keys":
+            return list(mapping)
+        if method == "values":
+            return [source[key] for key in mapping]
+        return [(key, source[key]) for key in mapping]
 
     def __setitem__(self, key, value) -> None:
         # Recorded so the trace goes on; the rewrite stage judges the write itself.
@@ -399,10 +420,15 @@ def _run(root: nn.Module, length: int, **options) -> bool:
     """One forward of `root` on meta `input_ids`; whether it ran to the end. A failure just ends the recording there.
 
     A retry with other `options` only adds the calls of modules not yet recorded (the hook keeps the first call).
+    A model that needs more than tokens to run all its classes gets those inputs too (`fusegen.testkit.extra_inputs`:
+    Mllama's image states, a Gemma 4 assistant's backbone states).
     """
+    from fusegen.testkit import extra_inputs
+
     try:
+        extra = extra_inputs(root, 2, length, lambda *shape: torch.empty(*shape, device="meta"))
         with torch.no_grad():
-            root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"), **options)
+            root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"), **extra, **options)
     except Exception:  # noqa: BLE001 - upstream code on meta may fail part-way; what was recorded is still right
         return False
     return True
