@@ -558,6 +558,7 @@ def summary_counts(rows: list[Row]) -> list[tuple[str, int]]:
         ("fused, not verified", sum(not is_verified(r) for r in fused)),
         ("nothing to fuse", sum(r.status == "nothing" for r in rows)),
         ("errors (input the compiler refuses, with a reason)", sum(r.status == "error" for r in rows)),
+        ("... of which inherent (listed under 'Inherent cases', with the reason)", sum(map(_error_inherent, rows))),
         ("crashes", sum(r.status == "crash" for r in rows)),
         (
             "types with attention fused and verified",
@@ -566,6 +567,7 @@ def summary_counts(rows: list[Row]) -> list[tuple[str, int]]:
         ("types with an MLP fused and verified", sum(bool(_fused_in(r, "MLP")) and is_verified(r) for r in fused)),
         ("types with a norm fused and verified", sum(bool(_fused_in(r, "norm")) and is_verified(r) for r in fused)),
         ("types where a trace stopped early (some class)", sum(bool(trace_stops(r)) for r in rows)),
+        ("... of which every stop inherent (listed under 'Inherent cases')", sum(map(_all_stops_inherent, rows))),
         ("types with a fusion refused as unreachable", sum(bool(_refused_by(r, "unreachable")) for r in rows)),
         ("configs verified (tiny configs and construction variants)", sum(c["status"] == "verified" for c in checks)),
         (
@@ -651,6 +653,65 @@ def _refused_in(row: Row, part: str) -> list[str]:
 
 def _refused_by(row: Row, rule: str) -> list[str]:
     return [o["class"] for o in row.report.get("classes", []) for r in o["refused"] if r["rule"] == rule]
+
+
+# --- inherent cases: what no change on our side makes pass, with the reason --------------------------------------
+
+INHERENT_STOPS: dict[tuple[str, str], tuple[str, str]] = {
+    ("phi4_multimodal", "Phi4MultimodalImageEmbedding"): (
+        "data-dependent forward",
+        "reached only with images; its forward loops over the crop grid of each image read off the values of "
+        "`image_sizes` (`height, width = image_sizes[idx]`), which no meta value knows; its linears run one after "
+        "the other (`img_projection_up` then `img_projection_down`), so there is no group to fuse either",
+    ),
+    ("phi4_multimodal", "Phi4MultimodalAudioEmbedding"): (
+        "data-dependent forward",
+        "reached only with audio; its forward sizes the audio embeddings from the values of its size arguments "
+        "(`len(...)` of per-sample sizes); its linears run one after the other (`up_proj_for_*` then `down_proj_for_*`), "
+        "so there is no group to fuse either",
+    ),
+    ("big_bird", "BigBirdBlockSparseAttention"): (
+        "meta-trace limit",
+        "block-sparse attention runs only on at least (5 + 2 * num_random_blocks) * block_size tokens with four "
+        "block masks that BigBirdModel derives from a real attention mask; the model's meta forward stops first "
+        "(`pad_token_id in input_ids` calls `.item()`), and on shorter inputs BigBirdModel switches its layers to "
+        "full attention by rebuilding them (`set_attention_type` copies `query`/`key`/`value` by name)",
+    ),
+}
+"""(model type, class) -> (category, reason) for trace stops no input we can build gets past; see
+`tests/test_coverage_inherent.py`, which checks each still stops where it says."""
+
+INHERENT_ERROR_NOTES: dict[str, str] = {
+    "gemma3n": "its text part is swept as `gemma3n_text`",
+}
+"""model type -> what to add to an inherent error's reason (where the rest of the model is covered)."""
+
+_MISSING_LIBRARY = re.compile(r"requires the (\w+) library but it was not found")
+
+
+def inherent_cases(row: Row) -> list[tuple[str, str, str]]:
+    """(what, category, reason) for each case of `row` that is inherent: a build error that names a library this
+    environment lacks (`environment`), and each trace stop listed in `INHERENT_STOPS`."""
+    cases = []
+    libraries = list(dict.fromkeys(_MISSING_LIBRARY.findall(row.error or "")))
+    if row.status == "error" and libraries:
+        reason = f"the model needs the {' and '.join(libraries)} libraries, which this environment does not install"
+        note = INHERENT_ERROR_NOTES.get(row.model_type)
+        cases.append(("build", "environment", f"{reason}; {note}" if note else reason))
+    for name, _ in trace_stops(row):
+        if (row.model_type, name) in INHERENT_STOPS:
+            category, reason = INHERENT_STOPS[(row.model_type, name)]
+            cases.append((f"trace of {name}", category, reason))
+    return cases
+
+
+def _all_stops_inherent(row: Row) -> bool:
+    stops = trace_stops(row)
+    return bool(stops) and all((row.model_type, name) in INHERENT_STOPS for name, _ in stops)
+
+
+def _error_inherent(row: Row) -> bool:
+    return row.status == "error" and any(what == "build" for what, _, _ in inherent_cases(row))
 
 
 def trace_stops(row: Row) -> list[tuple[str, str]]:
@@ -763,6 +824,25 @@ def render_markdown(rows: list[Row]) -> str:
         if refusal["rule"] == "unreachable"
     ]
     lines += unreachable or ["None: every fused class is built by its causal LM."]
+    lines += [
+        "",
+        "## Inherent cases, and why",
+        "",
+        (
+            "Errors and trace stops that no change on our side makes pass: `environment` (a library this environment "
+            "does not install), `data-dependent forward` (the forward's structure follows tensor values), "
+            "`meta-trace limit` (no input we can build reaches the class on `meta`). Upstream faults of a default "
+            "config are worked around in `fusegen/compiler/shrink.py` (`FIXES`); a config the original itself does not "
+            "run after its own `from_pretrained` is listed as skipped with `upstream:` in its reason."
+        ),
+        "",
+    ]
+    inherent = [
+        f"- `{row.model_type}`, {what}: **{category}**: {reason}"
+        for row in rows
+        for what, category, reason in inherent_cases(row)
+    ]
+    lines += inherent or ["None."]
     lines += [
         "",
         "## Per model type: details",
