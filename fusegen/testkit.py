@@ -208,8 +208,9 @@ def extra_inputs(model: torch.nn.Module, batch: int, length: int, make) -> dict:
             "shared_kv_states": _shared_kv_states(model, batch, length, make),
             "output_hidden_states": True,
         }
-    if "cross_attention_states" in parameters:
-        return {"cross_attention_states": make(batch, length // 2, config.get_text_config().hidden_size)}
+    width = getattr(config.get_text_config(), "hidden_size", None)
+    if "cross_attention_states" in parameters and width:
+        return {"cross_attention_states": make(batch, length // 2, width)}
     return {}
 
 

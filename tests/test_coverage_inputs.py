@@ -115,6 +115,7 @@ def test_a_fused_failure_the_loaded_original_does_not_share_still_fails(tmp_path
         ("gemma4_assistant", "inputs_embeds, output_hidden_states, shared_kv_states"),
         ("mllama", "cross_attention_states"),
         ("musicgen", None),
+        ("blt", None),
     ],
 )
 def test_types_that_need_more_than_tokens_verify(model_type, given):
@@ -127,3 +128,9 @@ def test_types_that_need_more_than_tokens_verify(model_type, given):
     if given:
         assert all(f"given {given}" in check["reason"] for check in result["checks"])
     assert "in none of the configs" not in result["reason"]
+
+
+def test_a_model_whose_config_does_not_spell_a_width_gets_no_cross_attention_states():
+    # BltForCausalLM's forward takes cross_attention_states too, but BLT computes them itself and BltConfig has no
+    # hidden_size; guessing would fail the original (and so skip the type) or the recording.
+    assert extra_inputs(_meta_model("blt"), 2, 12, _empty) == {}

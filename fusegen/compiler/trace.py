@@ -427,11 +427,16 @@ def _run(root: nn.Module, length: int, **options) -> bool:
 
     try:
         extra = extra_inputs(root, 2, length, lambda *shape: torch.empty(*shape, device="meta"))
-        with torch.no_grad():
-            root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"), **extra, **options)
-    except Exception:  # noqa: BLE001 - upstream code on meta may fail part-way; what was recorded is still right
-        return False
-    return True
+    except Exception:  # noqa: BLE001 - sizes the config does not spell as expected: tokens alone
+        extra = {}
+    for given in [extra, {}] if extra else [{}]:
+        try:
+            with torch.no_grad():
+                root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"), **given, **options)
+        except Exception:  # noqa: BLE001 - upstream code on meta may fail part-way; what was recorded is still right
+            continue
+        return True
+    return False
 
 
 def _snapshot(recorded: Recorded) -> Recorded | None:
