@@ -17,6 +17,7 @@ the other way round, and nobody would know which figure to believe.
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 
 import torch
@@ -34,7 +35,9 @@ __all__ = [
     "TOLERANCE",
     "TOY_HELPERS",
     "TOY_NARROW_LOOP",
+    "extra_inputs",
     "import_file",
+    "input_rows",
     "load_fused",
     "load_pair",
     "logits_tolerance",
@@ -123,16 +126,24 @@ def model_config(target, config):
     """The config the causal LM takes: the composite config's text part when the class is built from that.
 
     `MODEL_FOR_CAUSAL_LM_MAPPING` maps some composite model types (`qwen3_5`, `llama4`) to a text-only causal LM
-    whose `config_class` is the text config; the compiler builds those from the text part too.
+    whose `config_class` is the text config; the compiler builds those from the text part too. Where the text part
+    is ambiguous (MusicGen holds a text encoder and a decoder), the one sub-config of exactly the wanted class is it.
     """
     wanted = getattr(target.causal_lm, "config_class", None)
     if wanted is None or isinstance(config, wanted):
         return config
     try:
         text = config.get_text_config()
-    except Exception:  # noqa: BLE001 - no unambiguous text part: keep the config as it is
-        return config
+    except Exception:  # noqa: BLE001 - no unambiguous text part: look for the sub-config of the wanted class
+        text = _sub_config_of_class(config, wanted)
     return text if isinstance(text, wanted) else config
+
+
+def _sub_config_of_class(config, wanted):
+    """The one sub-config of `config` that is a `wanted`, or None if there is none or more than one."""
+    found = [getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}]
+    found = [sub for sub in found if isinstance(sub, wanted)]
+    return found[0] if len(found) == 1 else None
 
 
 def tiny_config(target, **overrides):
@@ -189,6 +200,50 @@ def random_input(config, batch: int = BATCH, length: int = LENGTH, seed: int = S
     allowed = torch.tensor([i for i in range(min(vocab, 1024)) if i not in special])
     generator = torch.Generator().manual_seed(seed)
     return allowed[torch.randint(0, len(allowed), (batch, length), generator=generator)]
+
+
+def input_rows(config) -> int:
+    """Rows of `input_ids` per sequence: 1, or one per codebook for a decoder that reads them stacked (MusicGen's
+    `(batch * num_codebooks, length)`)."""
+    return getattr(config.get_text_config(decoder=True), "num_codebooks", None) or 1
+
+
+def extra_inputs(model: torch.nn.Module, batch: int, length: int, make) -> dict:
+    """Forward arguments besides `input_ids` that `model` needs to run every class it builds; `make(*shape)` makes
+    each tensor (random for a check, `meta` for recording).
+
+    - `cross_attention_states` (Mllama): image states, so the cross-attention layers run instead of being skipped.
+    - `shared_kv_states` (the Gemma 4 assistants, which read the backbone's keys and values and its hidden states
+      instead of tokens): `inputs_embeds` of twice the backbone's width, and one key/value pair per layer type shaped
+      as that type's attention reads it. `output_hidden_states=True` too: without it the text model slices its
+      per-layer inputs, which the assistants never have (`None[...]`, transformers 5.24).
+    """
+    parameters = inspect.signature(type(model).forward).parameters
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    if "shared_kv_states" in parameters:
+        return {
+            "inputs_embeds": make(batch, length, 2 * config.backbone_hidden_size),
+            "shared_kv_states": _shared_kv_states(model, batch, length, make),
+            "output_hidden_states": True,
+        }
+    width = getattr(config.get_text_config(), "hidden_size", None)
+    if "cross_attention_states" in parameters and width:
+        return {"cross_attention_states": make(batch, length // 2, width)}
+    return {}
+
+
+def _shared_kv_states(model: torch.nn.Module, batch: int, length: int, make) -> dict:
+    """`{layer type: (keys, values)}` shaped `(batch, kv heads, length, head_dim)` of the first attention of each type."""
+    shared = {}
+    for module in model.modules():
+        layer_type = getattr(module, "layer_type", None)
+        if layer_type is None or layer_type in shared or not hasattr(module, "num_key_value_groups"):
+            continue
+        shape = (batch, module.config.num_attention_heads // module.num_key_value_groups, length, module.head_dim)
+        shared[layer_type] = (make(*shape), make(*shape))
+    return shared
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------------------

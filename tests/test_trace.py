@@ -160,3 +160,165 @@ def test_report_names_a_trace_stop_even_when_the_class_fused_something():
     text = report_text([SimpleNamespace(target=target, outcomes=[outcome])])
     assert "XMLP: fused gate_proj + up_proj -> gate_up_proj (glu)" in text
     assert "XMLP: trace stopped early (TraceStopped: control flow depends on the traced value eq)" in text
+
+
+class _CacheFailingModel(_Model):
+    """Its default cache fails before the first layer, as hybrid models' caches do on `get_seq_length`."""
+
+    def forward(self, input_ids, use_cache=True):
+        if use_cache:
+            raise ValueError("`get_seq_length` can only be called on Attention layers")
+        return super().forward(input_ids)
+
+
+def test_a_forward_that_fails_with_its_cache_is_recorded_without_it():
+    with torch.device("meta"):
+        model = _CacheFailingModel()
+    recorded = record_inputs(model, [model.attention])
+    assert id(model.attention) in recorded
+    assert trace_module(model.attention, recorded[id(model.attention)]).error is None
+
+
+class _GatedNorm(nn.Module):
+    """A norm with no linear child whose forward unpacks its input's shape (Bamba's gated RMS norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, hidden_states, gate=None):
+        *prefix_dims, last_dim = hidden_states.shape
+        return self.weight * hidden_states.view(*prefix_dims, 2, last_dim // 2).view(*prefix_dims, last_dim)
+
+
+def test_a_norm_never_reached_gets_synthetic_hidden_states_as_wide_as_its_weight():
+    with torch.device("meta"):
+        norm = _GatedNorm()
+    assert trace_module(norm).error is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_type", "class_name"),
+    [
+        ("bamba", "BambaRMSNormGated"),  # the default cache fails the meta forward before any layer
+        ("granitemoehybrid", "GraniteMoeHybridRMSNormGated"),
+        ("dbrx", "DbrxAttention"),  # the default config's clip_qkv=None fails the clamp
+        ("mllama", "MllamaTextCrossAttention"),  # skipped by the text-only forward: given cross-attention states
+        ("blt", "BltCrossAttention"),
+        ("xlm", "MultiHeadAttention"),  # the model asserts on `lengths.max().item()`: given a mask
+        ("moss_transcribe_diarize", "MossTranscribeDiarizeAudioLayer"),  # audio only: given no mask
+        ("got_ocr2", "GotOcr2VisionAttention"),  # vision only: given (batch, height, width, channels)
+        ("gemma3n_text", None),  # its ModuleList of altup projections is no candidate any more
+        ("gemma4_assistant", "Gemma4TextAttention"),  # recorded with a backbone's states, which it needs
+        ("gemma4_unified_assistant", "Gemma4UnifiedAssistantForCausalLM"),  # iterates shared_kv_states.items()
+        ("musicgen", None),
+    ],
+)
+def test_trace_stops_of_the_coverage_sweep_are_gone(model_type, class_name):
+    outcomes = {outcome.class_name: outcome for outcome in analyse(model_type).outcomes}
+    assert class_name is None or class_name in outcomes
+    assert [(name, o.trace_error) for name, o in outcomes.items() if o.trace_error] == []
+
+
+class _CrossAttention(nn.Module):
+    """Reads encoder states for k/v; with the default (None) it would read a cache the synthetic trace lacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(8, 8)
+        self.k_proj = nn.Linear(8, 8)
+        self.v_proj = nn.Linear(8, 8)
+
+    def forward(self, hidden_states, cross_attention_states=None, cache=None):
+        if cross_attention_states is None:
+            cross_attention_states = cache.layers[0].keys
+        return self.q_proj(hidden_states), self.k_proj(cross_attention_states) + self.v_proj(cross_attention_states)
+
+
+class _RankAskingAttention(_Attention):
+    """Asks its required mask's rank before the projections (XLM's MultiHeadAttention)."""
+
+    def forward(self, input, mask):
+        shape = (2, 1, 3, -1) if mask.dim() == 3 else (2, 1, 1, -1)
+        hidden_states = input * mask.view(shape[0], -1, 1)
+        return self.q_proj(hidden_states) + self.k_proj(hidden_states) + self.v_proj(hidden_states)
+
+
+class _Layer(nn.Module):
+    """Unpacks its attention's pair of outputs; the mask it must be given is passed through."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn = _PairAttention()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 8)
+
+    def forward(self, hidden_states, attention_mask):
+        hidden_states, _ = self.self_attn(hidden_states, attention_mask=attention_mask)
+        return self.fc2(self.fc1(hidden_states))
+
+
+class _PairAttention(_Attention):
+    def forward(self, hidden_states, attention_mask=None):
+        if attention_mask is not None:
+            hidden_states = hidden_states.masked_fill(attention_mask[:, None, None, :], 0.0)
+        return self.q_proj(hidden_states) + self.k_proj(hidden_states) + self.v_proj(hidden_states), None
+
+
+class _WindowedVisionAttention(nn.Module):
+    """Takes `(batch, height, width, channels)`, as SAM's and GOT-OCR2's vision attentions do."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, hidden_states):
+        batch, height, width, _ = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).reshape(batch, height * width, 3, 8).unbind(2)
+        return self.proj(q + k + v)
+
+
+@pytest.mark.parametrize(
+    ("module_class", "calls"),
+    [
+        (_CrossAttention, ["q_proj", "k_proj", "v_proj"]),  # given encoder states
+        (_RankAskingAttention, ["q_proj", "k_proj", "v_proj"]),  # given a (batch, length) mask
+        (_Layer, ["self_attn", "fc1", "fc2"]),  # given no mask (None), so its attention's result has a length
+        (_WindowedVisionAttention, ["qkv", "proj"]),  # given image-shaped hidden states
+    ],
+)
+def test_synthetic_inputs_with_the_structure_a_class_needs_trace_to_the_end(module_class, calls):
+    with torch.device("meta"):
+        module = module_class()
+    trace = trace_module(module)
+    assert trace.error is None
+    assert [node.target for node in trace.graph.nodes if node.op == "call_module"] == calls
+
+
+def test_the_cross_attention_group_is_found_from_the_encoder_states():
+    with torch.device("meta"):
+        module = _CrossAttention()
+    groups = find_groups(trace_module(module).graph, module)
+    assert [plan.projections for plan in groups] == [("k_proj", "v_proj")]
+
+
+class _DictReader(_Attention):
+    """Rebuilds a recorded dict from its items before reading an entry (the Gemma 4 assistants' shared k/v)."""
+
+    def forward(self, hidden_states, shared):
+        shared = {key: (value[0] * 1, value[1]) for key, value in shared.items()}
+        keys = list(shared.keys())
+        hidden_states = hidden_states + shared[keys[0]][0] + sum(v[1] for v in shared.values())
+        return self.q_proj(hidden_states) + self.k_proj(hidden_states) + self.v_proj(hidden_states)
+
+
+def test_a_recorded_dict_is_iterated_by_its_keys_items_and_values():
+    with torch.device("meta"):
+        module = _DictReader()
+        states = torch.empty(2, 3, 8)
+        recorded = ((states,), {"shared": {"full_attention": (states, states), "sliding_attention": (states, states)}})
+    trace = trace_module(module, recorded)
+    assert trace.error is None
+    assert [plan.merged for plan in find_groups(trace.graph, module)] == ["qkv_proj"]

@@ -611,6 +611,18 @@ def _mamba2(values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+_QWEN4_EXP_INDEXER = {
+    "indexer_n_heads": HEADS,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": HEAD_DIM,
+    "indexer_budget": WINDOW,
+    "indexer_compress_ratio": 2,
+}
+
+_ASSISTANT_CENTROIDS = {"num_centroids": 16, "centroid_intermediate_top_k": 4}
+"""The Gemma 4 assistants' ordered embeddings split the vocabulary into `num_centroids` clusters (2048 by default,
+more than the tiny vocabulary has tokens)."""
+
 _DOTS3_SWA = {
     "swa_num_attention_heads": HEADS,
     "swa_num_key_value_heads": HEADS,
@@ -637,12 +649,23 @@ FIXES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     # defaults the modeling code cannot build from (unset fields it reads unconditionally)
     "dots1": _set(n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_shared_experts=1),
     "lfm2_moe": _set(layer_types=["conv", "full_attention"], num_dense_layers=1),
-    "qwen4_exp_text": _set(
-        indexer_n_heads=HEADS,
-        indexer_kv_heads=1,
-        indexer_head_dim=HEAD_DIM,
-        indexer_budget=WINDOW,
-        indexer_compress_ratio=2,
+    "qwen4_exp_text": _set(**_QWEN4_EXP_INDEXER),
+    "qwen4_exp": lambda values: {**values, "text_config": {**values["text_config"], **_QWEN4_EXP_INDEXER}},
+    # DBRX's attention reads `attn_config.rope_theta`, which DbrxAttentionConfig does not define, and clamps q/k/v
+    # with `clip_qkv`, which fails when it is None (the default); released checkpoints set both. The sub-configs are
+    # not shrunk by the generic rules (they default to None), so their sizes are set here too: GQA, 4 experts, top 2.
+    "dbrx": _set(
+        attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+        ffn_config={"ffn_hidden_size": EXPERT_INTERMEDIATE, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K},
+    ),
+    # the cross-attention layers are listed by index at full depth ([3, 8, ...]): keep one among the two tiny layers
+    "mllama": lambda values: {**values, "text_config": {**values["text_config"], "cross_attention_layers": [1]}},
+    # the rotary embedding reads `rope_parameters[layer_type]` per layer type, and the default leaves the dict empty
+    "cohere_compass_text": _set(
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
     ),
     # sliding-window layers take their (full-size) MLA shape from `swa_*` arguments, not from the shrunk fields
     "dots3_note_text": _set(**_DOTS3_SWA),
@@ -651,6 +674,8 @@ FIXES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "gemma4_assistant": lambda values: {
         **values,
         "text_config": {**values["text_config"], "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0},
+        **_ASSISTANT_CENTROIDS,
     },
+    "gemma4_unified_assistant": _set(**_ASSISTANT_CENTROIDS),
 }
 """model_type -> a function that adjusts the shrunk keyword arguments where the generic rules cannot."""

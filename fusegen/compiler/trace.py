@@ -61,11 +61,11 @@ def trace_module(module: nn.Module, recorded: Recorded | None = None) -> Trace:
     snapshot = None if recorded is None else _snapshot(recorded)
     if snapshot is None:
         why = "the model's meta forward never reached it" if recorded is None else "its recorded inputs do not copy"
-        return _with_note(_trace(module, None), f"traced with synthetic inputs: {why}")
+        return _with_note(_synthetic_trace(module), f"traced with synthetic inputs: {why}")
     trace = _trace(module, snapshot)
     if trace.error is None:
         return trace
-    synthetic = _trace(module, None)
+    synthetic = _synthetic_trace(module)
     if _child_calls(synthetic) > _child_calls(trace):
         return _with_note(
             synthetic, f"traced with synthetic inputs: with its recorded ones it stopped at {trace.error}"
@@ -78,13 +78,34 @@ def _with_note(trace: Trace, note: str) -> Trace:
     return trace if trace.error is None else Trace(trace.graph, f"{trace.error} ({note})")
 
 
-def _trace(module: nn.Module, recorded: Recorded | None) -> Trace:
+def _synthetic_trace(module: nn.Module) -> Trace:
+    """The trace with synthetic inputs that gets furthest: the plain ones first, then each of `_FILLED_INPUTS`.
+
+    Every variant is one way the forward can really be called (a cross-attention
+    given encoder states, a required mask given a mask), so each graph is a
+    specialisation the matcher only proposes groups from; the one that reaches
+    the end, or failing that sees the most child calls, can only find more.
+    """
+    best = _trace(module, None)
+    forward = inspect.unwrap(type(module).forward)
+    for fill in _FILLED_INPUTS:
+        if best.error is None:
+            break
+        filled = fill(module, inspect.signature(forward))
+        if filled:
+            trace = _trace(module, None, filled)
+            if trace.error is None or _child_calls(trace) > _child_calls(best):
+                best = trace
+    return best
+
+
+def _trace(module: nn.Module, recorded: Recorded | None, filled: dict | None = None) -> Trace:
     tracer = _MetaTracer(module)
     forward = inspect.unwrap(type(module).forward)
     error = None
     try:
         if recorded is None:
-            args, kwargs = _example_inputs(tracer, module, forward)
+            args, kwargs = _example_inputs(tracer, module, forward, filled or {})
         else:
             args, kwargs = _recorded_inputs(tracer, forward, module, recorded)
         with _children_as_leaves(tracer), _attention_as_leaf(tracer):
@@ -113,7 +134,28 @@ class _MetaProxy(fx.Proxy):
         return len(value)
 
     def __iter__(self):
+        entries = self._mapping_entries()
+        if entries is not None:
+            return iter(entries)
         return iter([self[i] for i in range(len(self))])
+
+    def _mapping_entries(self) -> list | None:
+        """What iterating a known dict, or its `.keys()`/`.values()`/`.items()`, yields: its keys as they are (plain
+        data, as in the recorded call, so a dict rebuilt from them still finds `shared_kv_states["full_attention"]`),
+        each value a `getitem` of the dict; None for anything else. A dict view cannot be indexed, so `self[i]`
+        would make every entry unknown."""
+        node, method = self.node, "keys"
+        if node.op == "call_method" and node.target in ("keys", "values", "items") and node.args:
+            node, method = node.args[0], node.target
+        mapping = module_value(node) if isinstance(node, fx.Node) else UNKNOWN
+        if not isinstance(mapping, dict) or not all(isinstance(key, (str, int, enum.Enum)) for key in mapping):
+            return None
+        source = self.tracer.proxy(node)
+        if method == "keys":
+            return list(mapping)
+        if method == "values":
+            return [source[key] for key in mapping]
+        return [(key, source[key]) for key in mapping]
 
     def __setitem__(self, key, value) -> None:
         # Recorded so the trace goes on; the rewrite stage judges the write itself.
@@ -235,19 +277,22 @@ def _has_proxy(args, kwargs) -> bool:
     return found
 
 
-def _example_inputs(tracer: _MetaTracer, module: nn.Module, forward) -> tuple[list, dict]:
+def _example_inputs(tracer: _MetaTracer, module: nn.Module, forward, filled: dict) -> tuple[list, dict]:
     """Placeholders for `forward`'s parameters.
 
     The first parameter gets a meta value shaped like a batch of hidden states
     fed to the module's first linear; parameters with defaults keep them (so
     `if cache is not None` takes the simple path); the rest are unknown.
+    Parameters named in `filled` get a placeholder carrying that meta value.
     """
     parameters = list(inspect.signature(forward).parameters.values())[1:]
     args, kwargs = [], {}
     for index, parameter in enumerate(parameters):
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
-        if parameter.default is not parameter.empty and index > 0:
+        if parameter.name in filled:
+            value = _placeholder(tracer, parameter.name, filled[parameter.name])
+        elif parameter.default is not parameter.empty and index > 0:
             value = parameter.default
         else:
             value = tracer.create_proxy("placeholder", parameter.name, (), {})
@@ -335,9 +380,9 @@ def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -
             config._experts_implementation = "batched_mm"
         model.eval()
         for root in _roots(model):
-            if all(id(module) in recorded for module in modules):
-                break
-            _run(root, length)
+            for options in _RUN_OPTIONS:
+                if all(id(module) in recorded for module in modules) or _run(root, length, **options):
+                    break
     finally:
         for handle in handles:
             handle.remove()
@@ -366,11 +411,32 @@ def _roots(model: nn.Module) -> list[nn.Module]:
     return [model, *nested]
 
 
-def _run(root: nn.Module, length: int) -> None:
-    """One forward of `root` on meta `input_ids`; a failure just ends the recording there."""
-    # upstream modeling code on meta may fail part-way; what was recorded up to there is still right
-    with contextlib.suppress(Exception), torch.no_grad():
-        root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"))
+_RUN_OPTIONS = ({}, {"use_cache": False})
+"""The config's defaults first; then without a cache, which some hybrid models' default cache cannot serve
+(`get_seq_length` on a cache holding only linear-attention layers fails before the first layer runs)."""
+
+
+def _run(root: nn.Module, length: int, **options) -> bool:
+    """One forward of `root` on meta `input_ids`; whether it ran to the end. A failure just ends the recording there.
+
+    A retry with other `options` only adds the calls of modules not yet recorded (the hook keeps the first call).
+    A model that needs more than tokens to run all its classes gets those inputs too (`fusegen.testkit.extra_inputs`:
+    Mllama's image states, a Gemma 4 assistant's backbone states).
+    """
+    from fusegen.testkit import extra_inputs
+
+    try:
+        extra = extra_inputs(root, 2, length, lambda *shape: torch.empty(*shape, device="meta"))
+    except Exception:  # noqa: BLE001 - sizes the config does not spell as expected: tokens alone
+        extra = {}
+    for given in [extra, {}] if extra else [{}]:
+        try:
+            with torch.no_grad():
+                root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"), **given, **options)
+        except Exception:  # noqa: BLE001 - upstream code on meta may fail part-way; what was recorded is still right
+            continue
+        return True
+    return False
 
 
 def _snapshot(recorded: Recorded) -> Recorded | None:
@@ -397,12 +463,65 @@ def _configs_with_experts(model: nn.Module) -> list[tuple[object, str]]:
     return list(found.values())
 
 
+_CROSS_INPUTS = ("cross_attention_states", "encoder_hidden_states", "key_value_states")
+"""Names the cross-attention classes of Transformers give the encoder (or image) states their k/v read."""
+
+
+def _cross_attention_states(module: nn.Module, signature: inspect.Signature) -> dict:
+    """Encoder states for a cross-attention argument left at its default (None): a class the text-only forward
+    skips (Mllama's cross-attention layers) or reaches only with encoder outputs (BLT) reads them before k/v."""
+    states = _hidden_states_like(module)
+    if states is UNKNOWN:
+        return {}
+    return {name: states for name in _CROSS_INPUTS if name in signature.parameters}
+
+
+def _required_masks(module: nn.Module, signature: inspect.Signature) -> dict:
+    """A `(batch, length)` mask of ones for each required parameter called `*mask`: a forward that asks the mask's
+    rank (`mask.dim() == 3`, XLM) then traces on, where an unknown mask stops it before the projections."""
+    states = _hidden_states_like(module)
+    if states is UNKNOWN:
+        return {}
+    return {
+        name: torch.ones(states.shape[:2], dtype=torch.bool, device="meta")
+        for name, parameter in list(signature.parameters.items())[1:]
+        if name.endswith("mask") and parameter.default is parameter.empty
+    }
+
+
+def _no_required_masks(module: nn.Module, signature: inspect.Signature) -> dict:
+    """None for each required `*mask` parameter, as an unpadded batch passes it to most attentions: a layer that
+    unpacks its attention's result (`hidden_states, _ = self.self_attn(...)`) then knows the result's length."""
+    return {
+        name: None
+        for name, parameter in list(signature.parameters.items())[1:]
+        if name.endswith("mask") and parameter.default is parameter.empty
+    }
+
+
+def _image_shaped_states(module: nn.Module, signature: inspect.Signature) -> dict:
+    """Hidden states shaped `(batch, height, width, channels)` for the first parameter: windowed vision attentions
+    (SAM's, GOT-OCR2's) unpack four dimensions where a text attention unpacks three."""
+    states = _hidden_states_like(module)
+    parameters = list(signature.parameters)[1:]
+    if states is UNKNOWN or not parameters:
+        return {}
+    return {parameters[0]: torch.empty(2, 2, 3, states.shape[-1], dtype=states.dtype, device="meta")}
+
+
+_FILLED_INPUTS = (_cross_attention_states, _required_masks, _no_required_masks, _image_shaped_states)
+
+
 def _hidden_states_like(module: nn.Module) -> object:
+    """A meta batch of hidden states for `module`: as wide as its first linear's input, or, with no linear child
+    (a norm), as its own 1-d weight. Only the shape matters: it lets shape code trace; the graph is never run."""
     linear = next((child for child in module.children() if isinstance(child, nn.Linear)), None)
-    if linear is None:
-        return UNKNOWN
-    weight = linear.weight
-    return torch.empty(2, 3, linear.in_features, dtype=weight.dtype, device="meta")
+    if linear is not None:
+        return torch.empty(2, 3, linear.in_features, dtype=linear.weight.dtype, device="meta")
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return torch.empty(2, 3, weight.shape[0], dtype=weight.dtype, device="meta")
+    return UNKNOWN
 
 
 @contextlib.contextmanager
