@@ -664,22 +664,28 @@ def _refused_by(row: Row, rule: str) -> list[str]:
 INHERENT_STOPS: dict[tuple[str, str], tuple[str, str]] = {
     ("phi4_multimodal", "Phi4MultimodalImageEmbedding"): (
         "data-dependent forward",
-        "reached only with images; its forward loops over the crop grid of each image read off the values of "
-        "`image_sizes` (`height, width = image_sizes[idx]`), which no meta value knows; its linears run one after "
-        "the other (`img_projection_up` then `img_projection_down`), so there is no group to fuse either",
+        (
+            "reached only with images; its forward loops over the crop grid of each image read off the values of "
+            "`image_sizes` (`height, width = image_sizes[idx]`), which no meta value knows; its linears run one after "
+            "the other (`img_projection_up` then `img_projection_down`), so there is no group to fuse either"
+        ),
     ),
     ("phi4_multimodal", "Phi4MultimodalAudioEmbedding"): (
         "data-dependent forward",
-        "reached only with audio; its forward sizes the audio embeddings from the values of its size arguments "
-        "(`len(...)` of per-sample sizes); its linears run one after the other (`up_proj_for_*` then `down_proj_for_*`), "
-        "so there is no group to fuse either",
+        (
+            "reached only with audio; its forward sizes the audio embeddings from the values of its size arguments "
+            "(`len(...)` of per-sample sizes); its linears run one after the other (`up_proj_for_*` then `down_proj_for_*`), "
+            "so there is no group to fuse either"
+        ),
     ),
     ("big_bird", "BigBirdBlockSparseAttention"): (
         "meta-trace limit",
-        "block-sparse attention runs only on at least (5 + 2 * num_random_blocks) * block_size tokens with four "
-        "block masks that BigBirdModel derives from a real attention mask; the model's meta forward stops first "
-        "(`pad_token_id in input_ids` calls `.item()`), and on shorter inputs BigBirdModel switches its layers to "
-        "full attention by rebuilding them (`set_attention_type` copies `query`/`key`/`value` by name)",
+        (
+            "block-sparse attention runs only on at least (5 + 2 * num_random_blocks) * block_size tokens with four "
+            "block masks that BigBirdModel derives from a real attention mask; the model's meta forward stops first "
+            "(`pad_token_id in input_ids` calls `.item()`), and on shorter inputs BigBirdModel switches its layers to "
+            "full attention by rebuilding them (`set_attention_type` copies `query`/`key`/`value` by name)"
+        ),
     ),
 }
 """(model type, class) -> (category, reason) for trace stops no input we can build gets past; see
