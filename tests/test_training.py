@@ -119,7 +119,7 @@ def test_in_place_writes_on_projection_outputs_train_like_the_original(case_path
 
 def test_without_the_clone_the_build_refuses_by_validation(case_path, monkeypatch):
     """The in-place fix switched off: the fused model raises in training, and validation refuses to write it."""
-    monkeypatch.setattr(rewrite_forward, "_detach_written_pieces", lambda *args: None)
+    monkeypatch.setattr(rewrite_forward, "detach_written_pieces", lambda *args: None)
     dotted = write_case(case_path, "inplace_unfixed", GLU_INIT, IN_PLACE_FORWARDS["method"] + TOY_TAIL)
     unvalidated = build(dotted, validate=False)
     assert unvalidated.text is not None and "clone()" not in unvalidated.text

@@ -53,7 +53,7 @@ from torch import nn
 
 from fusegen.compiler import astutil, safety
 from fusegen.compiler.plan import FusionPlan, Refused
-from fusegen.compiler.rewrite_forward import _detach_written_pieces, _dominating_region
+from fusegen.compiler.rewrite_forward import detach_written_pieces, dominating_region, piece_temps
 from fusegen.runtime.linear import sizes_attribute
 
 LINEAR_PIECES = "linear_pieces"
@@ -70,12 +70,12 @@ def rewrite_self_or_cross(
         if scope is not None:
             raise Refused("call-in-loop", f"`{ast.unparse(node)}` sits inside a {type(scope).__name__.lower()}", node)
     _check_binding_precedes(funcdef, binding, [calls[i] for i in own])
-    block, first, last = _dominating_region(funcdef, [*calls, binding])
+    block, first, last = dominating_region(funcdef, [*calls, binding])
     position = _shared_first(funcdef, block, calls, shared, own)
     region = _region_until(block, first, last, [*calls, binding])
     hidden = calls[shared[0]].args[0]
     safety.check_input_stable(funcdef, region, hidden, module, namespace, calls)
-    own_block, own_first, own_last = _dominating_region(funcdef, [calls[i] for i in own])
+    own_block, own_first, own_last = dominating_region(funcdef, [calls[i] for i in own])
     own_calls = [calls[i] for i in own]
     own_region = own_block[own_first : own_last + 1]
     safety.check_input_stable(funcdef, own_region, current, module, namespace, own_calls)
@@ -268,11 +268,7 @@ def _contains(tree: ast.AST, node: ast.AST) -> bool:
 
 def _splice(funcdef, plan, calls, shared, own, switch, shared_site, own_site, module) -> None:
     """Insert the switched merged call at the q site and the k/v pieces at their site; calls become the pieces."""
-    taken = astutil.all_names(funcdef)
-    temps = []
-    for name in plan.projections:
-        temps.append(astutil.fresh_name(f"{name}_out", taken))
-        taken.add(temps[-1])
+    temps = piece_temps(funcdef, plan)
     merged, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
     hidden, current = calls[shared[0]].args[0].id, calls[own[0]].args[0].id
 
@@ -293,6 +289,6 @@ def _splice(funcdef, plan, calls, shared, own, switch, shared_site, own_site, mo
     block.insert(position, ast.fix_missing_locations(ast.copy_location(shared_stmt, block[position])))
     for call, temp in zip(calls, temps):
         astutil.replace_node(funcdef, call, ast.copy_location(ast.Name(temp, ast.Load()), call))
-    _detach_written_pieces(funcdef, temps, shared_stmt.body, 0, module)
-    _detach_written_pieces(funcdef, [temps[i] for i in shared], shared_stmt.orelse, 0, module)
-    _detach_written_pieces(funcdef, [temps[i] for i in own], own_stmt.body, 0, module)
+    detach_written_pieces(funcdef, temps, shared_stmt.body, 0, module)
+    detach_written_pieces(funcdef, [temps[i] for i in shared], shared_stmt.orelse, 0, module)
+    detach_written_pieces(funcdef, [temps[i] for i in own], own_stmt.body, 0, module)

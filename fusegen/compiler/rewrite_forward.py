@@ -36,7 +36,7 @@ def rewrite_forward(
     the merged call is then guarded by the merged linear's existence (see `_guarded_split`).
     """
     merged = plan.merged if conditional else None
-    calls = [_single_call(funcdef, name, merged if name in conditional else None) for name in plan.projections]
+    calls = [single_call(funcdef, name, merged if name in conditional else None) for name in plan.projections]
     arg = calls[0].args[0]
     for call in calls[1:]:
         if not astutil.same_expr(call.args[0], arg):
@@ -49,12 +49,9 @@ def rewrite_forward(
                 f"`{ast.unparse(calls[0])}` and `{ast.unparse(call)}` spell their input differently",
                 call,
             )
-    for call in calls:
-        scope = astutil.enclosing_loop_or_scope(funcdef, call)
-        if scope is not None:
-            raise Refused("call-in-loop", f"`{ast.unparse(call)}` sits inside a {type(scope).__name__.lower()}", call)
-    block, first, last = _dominating_region(funcdef, calls)
-    with _absent_linears_present(module, namespace) if conditional else contextlib.nullcontext():
+    refuse_calls_in_loops(funcdef, calls)
+    block, first, last = dominating_region(funcdef, calls)
+    with absent_linears_present(module, namespace) if conditional else contextlib.nullcontext():
         safety.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
     _splice(funcdef, plan, calls, block, first, module, conditional)
 
@@ -64,7 +61,7 @@ class _AbsentModule(nn.Module):
 
 
 @contextlib.contextmanager
-def _absent_linears_present(module: nn.Module, namespace: dict):
+def absent_linears_present(module: nn.Module, namespace: dict):
     """`module` with a plain meta `nn.Linear` for each child that is None here but a plain linear in other configs.
 
     A conditional fusion hoists the always-built projections' calls over code that runs in the other configs
@@ -104,7 +101,7 @@ def _absent_linears_present(module: nn.Module, namespace: dict):
             module.__dict__[name] = None
 
 
-def _single_call(funcdef: ast.FunctionDef, name: str, merged: str | None = None) -> ast.Call:
+def single_call(funcdef: ast.FunctionDef, name: str, merged: str | None = None) -> ast.Call:
     """The one `self.<name>(arg)` call, after folding existence guards on it.
 
     The projection no longer exists after fusion, so any other use of it
@@ -156,7 +153,7 @@ def _fold_guard(funcdef: ast.FunctionDef, ref: ast.Attribute, name: str, merged:
     raise Refused("escaping-reference", f"self.{name} is used other than by its call and an existence guard", ref)
 
 
-def _dominating_region(funcdef: ast.FunctionDef, calls: list[ast.Call]) -> tuple[list[ast.stmt], int, int]:
+def dominating_region(funcdef: ast.FunctionDef, calls: list[ast.Call]) -> tuple[list[ast.stmt], int, int]:
     """The innermost block holding (or dominating) every call, and the span of them in it."""
     paths = [astutil.block_path(funcdef.body, call) for call in calls]
     depth = 0
@@ -165,6 +162,25 @@ def _dominating_region(funcdef: ast.FunctionDef, calls: list[ast.Call]) -> tuple
     block = paths[0][depth][0]
     indices = [path[depth][1] for path in paths]
     return block, min(indices), max(indices)
+
+
+def refuse_calls_in_loops(funcdef: ast.FunctionDef, calls: list[ast.Call]) -> None:
+    """Refuse (`call-in-loop`) when a projection call sits in a loop, comprehension or nested scope: one merged
+    call before it could not stand for the calls of every iteration."""
+    for call in calls:
+        scope = astutil.enclosing_loop_or_scope(funcdef, call)
+        if scope is not None:
+            raise Refused("call-in-loop", f"`{ast.unparse(call)}` sits inside a {type(scope).__name__.lower()}", call)
+
+
+def piece_temps(funcdef: ast.FunctionDef, plan: FusionPlan) -> list[str]:
+    """One fresh local name per projection (`q_proj_out`, ...) for its piece of the merged output."""
+    taken = astutil.all_names(funcdef)
+    temps = []
+    for name in plan.projections:
+        temps.append(astutil.fresh_name(f"{name}_out", taken))
+        taken.add(temps[-1])
+    return temps
 
 
 def _splice(
@@ -176,11 +192,7 @@ def _splice(
     module: nn.Module | None = None,
     conditional: frozenset[str] = frozenset(),
 ):
-    taken = astutil.all_names(funcdef)
-    temps = []
-    for name in plan.projections:
-        temps.append(astutil.fresh_name(f"{name}_out", taken))
-        taken.add(temps[-1])
+    temps = piece_temps(funcdef, plan)
     merged, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
     statement = ast.parse(f"{', '.join(temps)} = {merged}(__input__).split({sizes}, dim=-1)").body[0]
     placeholder = next(n for n in ast.walk(statement) if isinstance(n, ast.Name) and n.id == "__input__")
@@ -191,9 +203,9 @@ def _splice(
     for call, temp in zip(calls, temps):
         astutil.replace_node(funcdef, call, ast.copy_location(ast.Name(temp, ast.Load()), call))
     if conditional:
-        _detach_written_pieces(funcdef, temps, statement.body, 0, module)
+        detach_written_pieces(funcdef, temps, statement.body, 0, module)
     else:
-        _detach_written_pieces(funcdef, temps, block, index, module)
+        detach_written_pieces(funcdef, temps, block, index, module)
 
 
 def _guarded_split(
@@ -236,7 +248,7 @@ IN_PLACE_OPERATORS = frozenset(
 """`operator` functions that write their first operand (`operator.imul(g, 2)`)."""
 
 
-def _detach_written_pieces(
+def detach_written_pieces(
     funcdef: ast.FunctionDef, temps: list[str], block: list[ast.stmt], index: int, module: nn.Module | None
 ) -> None:
     """After the split, give each piece the forward may write in place a storage of its own: `piece = piece.clone()`.
@@ -275,7 +287,7 @@ def _detach_written_pieces(
 
 
 def _written_in_place(funcdef: ast.FunctionDef, tracked: set[str]) -> bool:
-    """Does anything in `funcdef` possibly write a tensor named in `tracked` in place? (See `_detach_written_pieces`.)"""
+    """Does anything in `funcdef` possibly write a tensor named in `tracked` in place? (See `detach_written_pieces`.)"""
 
     def mentions(node: ast.AST | None) -> bool:
         return node is not None and any(isinstance(n, ast.Name) and n.id in tracked for n in ast.walk(node))

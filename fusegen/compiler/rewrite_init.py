@@ -39,20 +39,20 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
     Returns the projections that exist only under a condition (`self.q_a_proj = nn.Linear(...) if c else None`);
     `rewrite_forward` needs them to guard the merged call (see `_conditional_merge`).
     """
-    assigns = [_constructor_assignment(funcdef, name) for name in plan.projections]
+    assigns = [constructor_assignment(funcdef, name) for name in plan.projections]
     block = _shared_block(funcdef, assigns)
     positions = sorted(block.index(assign) for assign in assigns)
-    calls = [_constructor_call(assign) for assign in assigns]
-    arguments = [_linear_arguments(assign, call, namespace) for assign, call in zip(assigns, calls)]
+    calls = [constructor_call(assign) for assign in assigns]
+    arguments = [linear_arguments(assign, call, namespace) for assign, call in zip(assigns, calls)]
     in_features = arguments[0]["in_features"]
     # Input widths may be spelled differently (`config.hidden_size`, `self.hidden_size`):
     # the projections read one tensor, so any config the original runs with gives them
     # one width, and the first spelling serves. Bias flags have no such guarantee: where
-    # they are spelled differently, each piece keeps its own (see `_bias_flags`).
-    bias = _bias_flags(arguments)
-    guards = [_guard(assign) for assign in assigns]
+    # they are spelled differently, each piece keeps its own (see `bias_flags`).
+    bias = bias_flags(arguments)
+    guards = [construction_guard(assign) for assign in assigns]
     conditional = frozenset(name for name, guard in zip(plan.projections, guards) if guard is not None)
-    guard = _one_guard(assigns, guards)
+    guard = one_construction_guard(assigns, guards)
     reads = [*arguments, *([{"guard": guard}] if guard is not None else [])]
     _check_inputs_stable(block[positions[0] : positions[-1] + 1], assigns, reads)
     widths = ", ".join(f"__out{i}__" for i in range(len(assigns)))
@@ -73,7 +73,7 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
     return conditional
 
 
-def _bias_flags(arguments: list[dict[str, ast.expr]]) -> ast.expr:
+def bias_flags(arguments: list[dict[str, ast.expr]]) -> ast.expr:
     """The merged linear's `bias=`: the projections' one flag, or a list with each projection's own flag.
 
     `MergedColumnLinear(..., bias=[bias, False, bias])` (Whisper: k_proj has no bias) gives every piece the bias
@@ -87,7 +87,7 @@ def _bias_flags(arguments: list[dict[str, ast.expr]]) -> ast.expr:
     return ast.List(elts=list(flags), ctx=ast.Load())
 
 
-def _constructor_call(assign: ast.Assign) -> ast.Call:
+def constructor_call(assign: ast.Assign) -> ast.Call:
     """The `nn.Linear(...)` call of `self.p = nn.Linear(...)` or of `self.p = nn.Linear(...) if c else None`."""
     value = assign.value
     if isinstance(value, ast.IfExp):
@@ -95,7 +95,7 @@ def _constructor_call(assign: ast.Assign) -> ast.Call:
     return value
 
 
-def _guard(assign: ast.Assign) -> ast.expr | None:
+def construction_guard(assign: ast.Assign) -> ast.expr | None:
     """The condition under which `assign` builds its linear (None: always); `c` or `not c` of an `if c else`."""
     value = assign.value
     if not isinstance(value, ast.IfExp):
@@ -105,7 +105,7 @@ def _guard(assign: ast.Assign) -> ast.expr | None:
     return ast.UnaryOp(ast.Not(), value.test)
 
 
-def _one_guard(assigns: list[ast.Assign], guards: list[ast.expr | None]) -> ast.expr | None:
+def one_construction_guard(assigns: list[ast.Assign], guards: list[ast.expr | None]) -> ast.expr | None:
     """The one condition the conditional projections share (None if none is conditional); refuse two."""
     present = [(assign, guard) for assign, guard in zip(assigns, guards) if guard is not None]
     for assign, guard in present[1:]:
@@ -186,7 +186,7 @@ def check_no_other_uses(classdef: ast.ClassDef, plan: FusionPlan) -> None:
                     raise Refused("escaping-reference", f"method {stmt.name} uses self.{name}", refs[0])
 
 
-def _constructor_assignment(funcdef: ast.FunctionDef, name: str) -> ast.Assign:
+def constructor_assignment(funcdef: ast.FunctionDef, name: str) -> ast.Assign:
     refs = astutil.self_refs(funcdef, name)
     assigns = [
         stmt
@@ -214,7 +214,7 @@ def _shared_block(funcdef: ast.FunctionDef, assigns: list[ast.Assign]) -> list[a
     return blocks[0]
 
 
-def _linear_arguments(assign: ast.Assign, call: ast.Call, namespace: dict) -> dict[str, ast.expr]:
+def linear_arguments(assign: ast.Assign, call: ast.Call, namespace: dict) -> dict[str, ast.expr]:
     """in_features, out_features and bias of the `nn.Linear(...)` call `assign` makes, as expressions."""
     if resolve(call.func, namespace) is not nn.Linear:
         raise Refused("unusual-init", f"`{ast.unparse(call.func)}` is not torch.nn.Linear", assign)

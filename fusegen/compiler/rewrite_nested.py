@@ -58,19 +58,21 @@ from torch import nn
 from fusegen.compiler import astutil, safety
 from fusegen.compiler.plan import FusionPlan, Refused
 from fusegen.compiler.rewrite_forward import (
-    _absent_linears_present,
-    _detach_written_pieces,
-    _dominating_region,
-    _single_call,
+    absent_linears_present,
+    detach_written_pieces,
+    dominating_region,
+    piece_temps,
+    refuse_calls_in_loops,
+    single_call,
 )
 from fusegen.compiler.rewrite_init import (
     MERGED_LINEAR,
-    _bias_flags,
-    _constructor_assignment,
-    _constructor_call,
-    _guard,
-    _linear_arguments,
-    _one_guard,
+    bias_flags,
+    construction_guard,
+    constructor_assignment,
+    constructor_call,
+    linear_arguments,
+    one_construction_guard,
 )
 from fusegen.runtime.linear import sizes_attribute
 
@@ -143,7 +145,7 @@ def nested_layout(funcdef: ast.FunctionDef, plan: FusionPlan) -> NestedLayout:
     guard; and the `if` comes after the outer projections, so the tests are evaluated later than the merged
     constructor, which `check_hoisted_init` proves harmless.
     """
-    assigns = {name: _constructor_assignment(funcdef, name) for name in plan.projections}
+    assigns = {name: constructor_assignment(funcdef, name) for name in plan.projections}
     paths = {name: astutil.block_path(funcdef.body, assign) for name, assign in assigns.items()}
     depth = min(len(path) for path in paths.values())
     outer = tuple(name for name in plan.projections if len(paths[name]) == depth)
@@ -152,7 +154,7 @@ def nested_layout(funcdef: ast.FunctionDef, plan: FusionPlan) -> NestedLayout:
     refuse = lambda why, node: Refused("unusual-init", why, node)
     if any(paths[name][-1][0] is not block for name in outer):
         raise refuse("the unconditional projections are constructed in different blocks", assigns[outer[-1]])
-    if any(_guard(assigns[name]) is not None for name in outer):
+    if any(construction_guard(assigns[name]) is not None for name in outer):
         raise refuse("a projection outside the nested block is built under a condition", assigns[outer[0]])
     inner_block = paths[inner[0]][-1][0]
     if any(paths[name][-1][0] is not inner_block for name in inner):
@@ -258,11 +260,11 @@ def rewrite_init_nested(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: d
     there is no inner guard) is not built at all.
     """
     layout = nested_layout(funcdef, plan)
-    assigns = {name: _constructor_assignment(funcdef, name) for name in plan.projections}
-    calls = {name: _constructor_call(assign) for name, assign in assigns.items()}
-    arguments = {name: _linear_arguments(assigns[name], calls[name], namespace) for name in plan.projections}
-    inner_guards = [_guard(assigns[name]) for name in layout.inner]
-    guard = _one_guard([assigns[name] for name in layout.inner], inner_guards)
+    assigns = {name: constructor_assignment(funcdef, name) for name in plan.projections}
+    calls = {name: constructor_call(assign) for name, assign in assigns.items()}
+    arguments = {name: linear_arguments(assigns[name], calls[name], namespace) for name in plan.projections}
+    inner_guards = [construction_guard(assigns[name]) for name in layout.inner]
+    guard = one_construction_guard([assigns[name] for name in layout.inner], inner_guards)
     conditions = [*layout.conditions, *([copy.deepcopy(guard)] if guard is not None else [])]
     hoisted = [expr for name in layout.inner for expr in arguments[name].values() if isinstance(expr, ast.AST)]
     kept = [expr for name in layout.outer for expr in arguments[name].values() if isinstance(expr, ast.AST)]
@@ -273,7 +275,7 @@ def rewrite_init_nested(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: d
     ordered = [arguments[name] for name in plan.projections]
     widths = ", ".join(f"__out{i}__" for i in range(len(ordered)))
     merged = ast.parse(f"self.{plan.merged} = {MERGED_LINEAR}(__in__, [{widths}], bias=__bias__)").body[0]
-    fills = {"__in__": ordered[0]["in_features"], "__bias__": _bias_flags(ordered)}
+    fills = {"__in__": ordered[0]["in_features"], "__bias__": bias_flags(ordered)}
     fills.update({f"__out{i}__": bound["out_features"] for i, bound in enumerate(ordered)})
     for node in [n for n in ast.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:
         astutil.replace_node(merged, node, copy.deepcopy(fills[node.id]))
@@ -328,7 +330,7 @@ def rewrite_forward_nested(
     merged linear's, which is the same inside the block where the original built it (outside it the original
     would fail on the missing attribute); the others' become True, as for any plain linear.
     """
-    calls = [_single_call(funcdef, name, plan.merged if name in built.guarded else None) for name in plan.projections]
+    calls = [single_call(funcdef, name, plan.merged if name in built.guarded else None) for name in plan.projections]
     arg = calls[0].args[0]
     for call in calls[1:]:
         if not astutil.same_expr(call.args[0], arg):
@@ -337,18 +339,11 @@ def rewrite_forward_nested(
                 f"`{ast.unparse(calls[0])}` and `{ast.unparse(call)}` spell their input differently",
                 call,
             )
-    for call in calls:
-        scope = astutil.enclosing_loop_or_scope(funcdef, call)
-        if scope is not None:
-            raise Refused("call-in-loop", f"`{ast.unparse(call)}` sits inside a {type(scope).__name__.lower()}", call)
-    block, first, last = _dominating_region(funcdef, calls)
-    with _absent_linears_present(module, namespace):
+    refuse_calls_in_loops(funcdef, calls)
+    block, first, last = dominating_region(funcdef, calls)
+    with absent_linears_present(module, namespace):
         safety.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
-    taken = astutil.all_names(funcdef)
-    temps = []
-    for name in plan.projections:
-        temps.append(astutil.fresh_name(f"{name}_out", taken))
-        taken.add(temps[-1])
+    temps = piece_temps(funcdef, plan)
     merged, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
     split = ast.parse(f"{', '.join(temps)} = {merged}(__input__).split({sizes}, dim=-1)").body[0]
     split.value.func.value.args = [copy.deepcopy(arg)]
@@ -369,4 +364,4 @@ def rewrite_forward_nested(
             exists = ast.parse(f"{merged} is not None").body[0].value
             piece = ast.IfExp(test=exists, body=piece, orelse=call)
         astutil.replace_node(funcdef, call, ast.fix_missing_locations(ast.copy_location(piece, call)))
-    _detach_written_pieces(funcdef, temps, guarded.body, 0, module)  # clones of written pieces follow the split
+    detach_written_pieces(funcdef, temps, guarded.body, 0, module)  # clones of written pieces follow the split
