@@ -162,7 +162,7 @@ def test_read_before_its_maker_in_a_loop_is_still_refused(opaque_harness, monkey
     case = Case((loop, Q, "u.view()", K, V), "mask_padding")
     kept = opaque_harness.check(case)
     assert not kept.fused and "opaque-alias" in kept.rules, kept
-    monkeypatch.setattr(safety, "_in_loop_or_scope", lambda node, funcdef, parent_of: False)
+    monkeypatch.setattr(safety, "enclosing_loop_or_scope", lambda funcdef, node, parent_of=None: None)
     loose = opaque_harness.check(case)
     assert loose.fused and loose.miscompile, loose
 

@@ -149,9 +149,10 @@ def block_path(block: list[ast.stmt], node: ast.AST) -> list[tuple[list[ast.stmt
     return []
 
 
-def enclosing_loop_or_scope(funcdef: ast.FunctionDef, node: ast.AST) -> ast.AST | None:
-    """The innermost loop, comprehension or nested scope around `node` in `funcdef`."""
-    parent_of = parents(funcdef)
+def enclosing_loop_or_scope(funcdef: ast.FunctionDef, node: ast.AST, parent_of: dict | None = None) -> ast.AST | None:
+    """The innermost loop, comprehension or nested scope around `node` in `funcdef` (`parent_of`: `parents(funcdef)`,
+    when the caller already has it)."""
+    parent_of = parents(funcdef) if parent_of is None else parent_of
     current = parent_of.get(node)
     while current is not None and current is not funcdef:
         if isinstance(current, LOOPS_AND_SCOPES):

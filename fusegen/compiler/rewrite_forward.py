@@ -38,17 +38,11 @@ def rewrite_forward(
     merged = plan.merged if conditional else None
     calls = [single_call(funcdef, name, merged if name in conditional else None) for name in plan.projections]
     arg = calls[0].args[0]
-    for call in calls[1:]:
-        if not astutil.same_expr(call.args[0], arg):
-            if not conditional:
-                from fusegen.compiler.rewrite_cross import rewrite_self_or_cross  # it builds on this module
+    if not conditional and differently_spelled(calls) is not None:
+        from fusegen.compiler.rewrite_cross import rewrite_self_or_cross  # it builds on this module
 
-                return rewrite_self_or_cross(funcdef, plan, calls, module, namespace)
-            raise Refused(
-                "different-inputs",
-                f"`{ast.unparse(calls[0])}` and `{ast.unparse(call)}` spell their input differently",
-                call,
-            )
+        return rewrite_self_or_cross(funcdef, plan, calls, module, namespace)
+    refuse_different_inputs(calls)
     refuse_calls_in_loops(funcdef, calls)
     block, first, last = dominating_region(funcdef, calls)
     with absent_linears_present(module, namespace) if conditional else contextlib.nullcontext():
@@ -162,6 +156,22 @@ def dominating_region(funcdef: ast.FunctionDef, calls: list[ast.Call]) -> tuple[
     block = paths[0][depth][0]
     indices = [path[depth][1] for path in paths]
     return block, min(indices), max(indices)
+
+
+def differently_spelled(calls: list[ast.Call]) -> ast.Call | None:
+    """The first projection call whose input is spelled otherwise than the first call's (None: all alike)."""
+    return next((call for call in calls[1:] if not astutil.same_expr(call.args[0], calls[0].args[0])), None)
+
+
+def refuse_different_inputs(calls: list[ast.Call]) -> None:
+    """Refuse (`different-inputs`) unless every projection call spells its input as the first one does."""
+    call = differently_spelled(calls)
+    if call is not None:
+        raise Refused(
+            "different-inputs",
+            f"`{ast.unparse(calls[0])}` and `{ast.unparse(call)}` spell their input differently",
+            call,
+        )
 
 
 def refuse_calls_in_loops(funcdef: ast.FunctionDef, calls: list[ast.Call]) -> None:

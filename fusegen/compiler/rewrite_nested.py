@@ -63,6 +63,7 @@ from fusegen.compiler.rewrite_forward import (
     dominating_region,
     piece_temps,
     refuse_calls_in_loops,
+    refuse_different_inputs,
     single_call,
 )
 from fusegen.compiler.rewrite_init import (
@@ -332,13 +333,7 @@ def rewrite_forward_nested(
     """
     calls = [single_call(funcdef, name, plan.merged if name in built.guarded else None) for name in plan.projections]
     arg = calls[0].args[0]
-    for call in calls[1:]:
-        if not astutil.same_expr(call.args[0], arg):
-            raise Refused(
-                "different-inputs",
-                f"`{ast.unparse(calls[0])}` and `{ast.unparse(call)}` spell their input differently",
-                call,
-            )
+    refuse_different_inputs(calls)
     refuse_calls_in_loops(funcdef, calls)
     block, first, last = dominating_region(funcdef, calls)
     with absent_linears_present(module, namespace):

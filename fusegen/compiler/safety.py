@@ -43,7 +43,7 @@ import types
 import torch
 from torch import nn
 
-from fusegen.compiler.astutil import LOOPS_AND_SCOPES, parents, self_attr
+from fusegen.compiler.astutil import enclosing_loop_or_scope, parents, self_attr
 from fusegen.compiler.plan import Refused
 
 METADATA_ATTRS = frozenset(
@@ -603,7 +603,7 @@ def _unreachable_until(scope: ast.AST, end: int, funcdef: ast.FunctionDef, paren
     declared = {
         name for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for name in node.names
     }
-    if _in_loop_or_scope(binder, funcdef, parent_of) or bound & declared:
+    if enclosing_loop_or_scope(funcdef, binder, parent_of) is not None or bound & declared:
         return False  # a `global` name is reachable from any function the region calls
     inside = {id(node) for node in ast.walk(scope)}
     reads = (node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Name))
@@ -908,20 +908,11 @@ def _read_first(read: ast.Name, maker: ast.AST, funcdef: ast.FunctionDef, parent
     binds), or if `maker` starts on a later line (outside loops, statements
     run in line order).
     """
-    if _in_loop_or_scope(read, funcdef, parent_of) or _in_loop_or_scope(maker, funcdef, parent_of):
+    if any(enclosing_loop_or_scope(funcdef, node, parent_of) is not None for node in (read, maker)):
         return False
     if maker.lineno > read.end_lineno:
         return True
     return read is not maker and any(node is read for node in ast.walk(maker))
-
-
-def _in_loop_or_scope(node: ast.AST, funcdef: ast.FunctionDef, parent_of: dict) -> bool:
-    current = parent_of.get(node)
-    while current is not None and current is not funcdef:
-        if isinstance(current, LOOPS_AND_SCOPES):
-            return True
-        current = parent_of.get(current)
-    return False
 
 
 def check_no_state_methods(region: list[ast.stmt], module: nn.Module):
