@@ -75,8 +75,15 @@ def make_parser() -> argparse.ArgumentParser:
     build.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes for --all (default 1)")
     build.set_defaults(handler=_build)
 
-    diff = commands.add_parser("diff", parents=[common], help="show what fusion changed in each fused class")
+    diff = commands.add_parser("diff", parents=[common], help="show what fusion changed in each generated class")
     diff.add_argument("targets", nargs="+", metavar="TARGET")
+    diff.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("generated"),
+        metavar="DIR",
+        help="where the files are (default: generated)",
+    )
     diff.set_defaults(handler=_diff)
 
     report = commands.add_parser("report", parents=[common], help="show what would be fused or refused, and why")
@@ -196,15 +203,39 @@ _STATUSES = ("fused", "nothing", "error", "crash")
 
 
 def _diff(args, console: Console) -> int:
-    from fusegen.compiler.build import build
-    from fusegen.tools.diff import class_diffs
+    """Diff the generated file on disk (DIR/fused_<model type>.py); without one, a fresh build, saying so."""
+    from fusegen.compiler.resolve import resolve
+    from fusegen.compiler.writer import output_path, recorded_fingerprint, source_fingerprint
+    from fusegen.tools.diff import file_diff, summary
 
-    for target in dict.fromkeys(args.targets):
-        result = build(target)
-        if result.text is None:
-            console.info(f"{target}: nothing fused, nothing to diff")
-        for diff in class_diffs(result) if result.text else []:
+    for name in dict.fromkeys(args.targets):
+        target = resolve(name)
+        path = output_path(args.output_dir, target.model_type)
+        if path.is_file():
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                raise InputError(f"{path}: unreadable: {error}") from error
+            label = path.stem
+            if recorded_fingerprint(text) != source_fingerprint(target.module):
+                console.info(f"{name}: {path} was built from another source of {target.module.__name__}: stale?")
+        else:
+            from fusegen.compiler.build import build
+
+            console.info(f"{name}: no {path}; diffing a fresh build instead (nothing is written)")
+            text = build(name).text
+            label = output_path(Path(), target.model_type).stem
+            if text is None:
+                console.info(f"{name}: nothing fused, nothing to diff")
+                continue
+        try:
+            result = file_diff(text, target.module, label)
+        except SyntaxError as error:
+            raise InputError(f"{path}: not a Python file: {error}") from error
+        for diff in result.diffs:
             console.diff(diff)
+        if result.renamed or result.based:
+            console.info(summary(label, result).rstrip("\n"))
     return EXIT_OK
 
 

@@ -8,7 +8,7 @@
 #   FusedCohereMLP: gate_proj + up_proj -> gate_up_proj (glu)
 # Not fused:
 #   CohereLayerNorm: forward: norm-not-rms: CohereLayerNorm.forward computes no `x * rsqrt(mean(x ** 2) + self.eps)` in float32
-"""Fused CohereForCausalLM: sibling projections merged into one GEMM each.
+"""Fused CohereForCausalLM: sibling projections merged into one GEMM each (qkv_proj, gate_up_proj).
 
 Loads and saves the canonical cohere checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.
@@ -69,7 +69,10 @@ STACKED_PARAMS_MAPPING = {
 }
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 # Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
-# with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
+# with the merged projections' rules fused (styles in fusegen.runtime.tp):
+#   qkv_proj, gate_up_proj: `fusegen_merged_colwise`, each piece split as its own `colwise` rule split it
+#   layers.*.self_attn: `fusegen_local_heads`, q/k/v sharded by query and kv heads
+#   every other rule: the config's own
 TP_PLAN = {
     "layers.*.self_attn": "fusegen_local_heads",
     "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",

@@ -7,7 +7,8 @@
 #   FusedDeepseekV3Attention: q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj (merged_column)
 #   FusedDeepseekV3RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
 #   FusedDeepseekV3MLP: gate_proj + up_proj -> gate_up_proj (glu)
-"""Fused DeepseekV3ForCausalLM: sibling projections merged into one GEMM each.
+"""Fused DeepseekV3ForCausalLM: sibling projections merged into one GEMM each (fused_qkv_a_proj, gate_up_proj);
+FusedDeepseekV3RMSNorm: forward computed by one torch.nn.functional.rms_norm call.
 
 Loads and saves the canonical deepseek_v3 checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.
@@ -77,7 +78,10 @@ packed_modules_mapping = {
     "gate_up_proj": ["gate_proj", "up_proj"],
 }
 # Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
-# with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
+# with the merged projections' rules fused (styles in fusegen.runtime.tp):
+#   gate_up_proj: `fusegen_merged_colwise`, each piece split as its own `colwise` rule split it
+#   fused_qkv_a_proj: no rule (replicated), as none of its pieces had one
+#   every other rule: the config's own
 TP_PLAN = {
     "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
     "layers.*.mlp.experts.down_proj": "rowwise",
@@ -100,6 +104,7 @@ class FusedDeepseekV3RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # fusegen: rms_norm equals the statements below for a float eps and a float32/bfloat16/float16 input only
         if type(self.variance_epsilon) is float and hidden_states.dtype in (
             torch.float32,
             torch.bfloat16,

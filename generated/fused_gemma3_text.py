@@ -7,7 +7,8 @@
 #   FusedGemma3Attention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedGemma3RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, weight-then-cast, eps=self.eps)
 #   FusedGemma3MLP: gate_proj + up_proj -> gate_up_proj (glu)
-"""Fused Gemma3ForCausalLM: sibling projections merged into one GEMM each.
+"""Fused Gemma3ForCausalLM: sibling projections merged into one GEMM each (qkv_proj, gate_up_proj);
+FusedGemma3RMSNorm: forward computed by one torch.nn.functional.rms_norm call.
 
 Loads and saves the canonical gemma3_text checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.
@@ -74,7 +75,10 @@ STACKED_PARAMS_MAPPING = {
 }
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 # Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
-# with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
+# with the merged projections' rules fused (styles in fusegen.runtime.tp):
+#   qkv_proj, gate_up_proj: `fusegen_merged_colwise`, each piece split as its own `colwise` rule split it
+#   layers.*.self_attn: `fusegen_local_heads`, q/k/v sharded by query and kv heads
+#   every other rule: the config's own
 TP_PLAN = {
     "layers.*.self_attn": "fusegen_local_heads",
     "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",
@@ -115,6 +119,7 @@ class FusedGemma3RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x):
+        # fusegen: rms_norm equals the statements below for a float eps only; any other eps runs them
         if type(self.eps) is float:
             return (
                 torch.nn.functional.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)

@@ -8,7 +8,7 @@
 #   FusedGemma4TextMLP: gate_proj + up_proj -> gate_up_proj (glu)
 # Not fused:
 #   Gemma4RMSNorm: forward: norm-expression: `mean_squared.pow(-0.5)`
-"""Fused Gemma4ForCausalLM: sibling projections merged into one GEMM each.
+"""Fused Gemma4ForCausalLM: sibling projections merged into one GEMM each (qkv_proj, gate_up_proj).
 
 Loads and saves the canonical gemma4_text checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.
@@ -87,7 +87,10 @@ STACKED_PARAMS_MAPPING = {
 }
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 # Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
-# with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
+# with the merged projections' rules fused (styles in fusegen.runtime.tp):
+#   qkv_proj, gate_up_proj: `fusegen_merged_colwise`, each piece split as its own `colwise` rule split it
+#   q_proj, k_proj: own rules kept, for the layers or configs that build them unmerged
+#   every other rule: the config's own
 TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",

@@ -6,7 +6,8 @@
 # Fused:
 #   FusedMixtralAttention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedMixtralRMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
-"""Fused MixtralForCausalLM: sibling projections merged into one GEMM each.
+"""Fused MixtralForCausalLM: sibling projections merged into one GEMM each (qkv_proj);
+FusedMixtralRMSNorm: forward computed by one torch.nn.functional.rms_norm call.
 
 Loads and saves the canonical mixtral checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.
@@ -71,7 +72,10 @@ from fusegen.runtime import (
 STACKED_PARAMS_MAPPING = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 # Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
-# with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
+# with the merged projections' rules fused (styles in fusegen.runtime.tp):
+#   qkv_proj: `fusegen_merged_colwise`, each piece split as its own `colwise` rule split it
+#   layers.*.self_attn: `fusegen_local_heads`, q/k/v sharded by query and kv heads
+#   every other rule: the config's own
 TP_PLAN = {
     "layers.*.self_attn": "fusegen_local_heads",
     "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",
@@ -93,6 +97,7 @@ class FusedMixtralRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # fusegen: rms_norm equals the statements below for a float eps and a float32/bfloat16/float16 input only
         if type(self.variance_epsilon) is float and hidden_states.dtype in (
             torch.float32,
             torch.bfloat16,

@@ -7,7 +7,8 @@
 #   FusedOlmo2Attention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedOlmo2RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, weight-then-cast, eps=self.variance_epsilon)
 #   FusedOlmo2MLP: gate_proj + up_proj -> gate_up_proj (glu)
-"""Fused Olmo2ForCausalLM: sibling projections merged into one GEMM each.
+"""Fused Olmo2ForCausalLM: sibling projections merged into one GEMM each (qkv_proj, gate_up_proj);
+FusedOlmo2RMSNorm: forward computed by one torch.nn.functional.rms_norm call.
 
 Loads and saves the canonical olmo2 checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.
@@ -82,6 +83,7 @@ class FusedOlmo2RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states) -> torch.Tensor:
+        # fusegen: rms_norm equals the statements below for a float eps only; any other eps runs them
         if type(self.variance_epsilon) is float:
             return (
                 self.weight

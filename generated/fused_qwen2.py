@@ -7,7 +7,8 @@
 #   FusedQwen2Attention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedQwen2MLP: gate_proj + up_proj -> gate_up_proj (glu)
 #   FusedQwen2RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, cast-then-weight, eps=self.variance_epsilon)
-"""Fused Qwen2ForCausalLM: sibling projections merged into one GEMM each.
+"""Fused Qwen2ForCausalLM: sibling projections merged into one GEMM each (qkv_proj, gate_up_proj);
+FusedQwen2RMSNorm: forward computed by one torch.nn.functional.rms_norm call.
 
 Loads and saves the canonical qwen2 checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.
@@ -70,7 +71,10 @@ STACKED_PARAMS_MAPPING = {
 }
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 # Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
-# with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
+# with the merged projections' rules fused (styles in fusegen.runtime.tp):
+#   qkv_proj, gate_up_proj: `fusegen_merged_colwise`, each piece split as its own `colwise` rule split it
+#   layers.*.self_attn: `fusegen_local_heads`, q/k/v sharded by query and kv heads
+#   every other rule: the config's own
 TP_PLAN = {
     "layers.*.self_attn": "fusegen_local_heads",
     "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",
@@ -181,6 +185,7 @@ class FusedQwen2RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # fusegen: rms_norm equals the statements below for a float eps and a float32/bfloat16/float16 input only
         if type(self.variance_epsilon) is float and hidden_states.dtype in (
             torch.float32,
             torch.bfloat16,

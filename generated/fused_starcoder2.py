@@ -5,7 +5,7 @@
 #
 # Fused:
 #   FusedStarcoder2Attention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
-"""Fused Starcoder2ForCausalLM: sibling projections merged into one GEMM each.
+"""Fused Starcoder2ForCausalLM: sibling projections merged into one GEMM each (qkv_proj).
 
 Loads and saves the canonical starcoder2 checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.
@@ -64,7 +64,10 @@ from fusegen.runtime import (
 STACKED_PARAMS_MAPPING = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 # Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
-# with the merged projections' rules fused; fusegen.runtime.tp shards q/k/v by query and kv heads.
+# with the merged projections' rules fused (styles in fusegen.runtime.tp):
+#   qkv_proj: `fusegen_merged_colwise`, each piece split as its own `colwise` rule split it
+#   layers.*.self_attn: `fusegen_local_heads`, q/k/v sharded by query and kv heads
+#   every other rule: the config's own
 TP_PLAN = {
     "layers.*.self_attn": "fusegen_local_heads",
     "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",

@@ -138,3 +138,18 @@ def test_an_added_leading_base_is_one_insertion_and_the_body_stays_byte_identica
         "class Block(nn.Module)", "class Block(FusedPreTrainedMixin, nn.Module)"
     )
     assert class_text("Block", classdef, module) == expected
+
+
+def test_a_statement_with_a_reason_gets_it_as_a_comment_on_the_line_above(module):
+    """`astutil.with_reason`: an injected guard carries its reason into the file; the text still parses to the AST."""
+    from fusegen.compiler.astutil import with_reason
+
+    classdef = original(module)
+    forward = classdef.body[-1]
+    guard = ast.parse("if x.dim() == 0:\n    return (x, x)").body[0]
+    forward.body.insert(0, with_reason(guard, "fusegen: why\n   this guard is here"))
+    lines = class_text("Block", classdef, module).splitlines()
+    at = lines.index("        if x.dim() == 0:")
+    assert lines[at - 1] == "        # fusegen: why this guard is here"
+    assert lines[at - 2] == "    def forward(self, x):"
+    assert not any("_fusegen_reason_" in line for line in lines)

@@ -26,6 +26,18 @@ LOOPS_AND_SCOPES = (
 """Constructs inside which a call may run more or less than once per forward."""
 
 
+REASON = "fusegen_reason"
+"""The attribute of a statement a rewrite injects (a guard) holding the reason the generated file gives for it."""
+
+
+def with_reason(stmt: ast.stmt, reason: str) -> ast.stmt:
+    """`stmt`, marked with a one-line `reason`: the generated file carries it as a `# ...` comment on the line above
+    the statement (`fusegen.compiler.splice`), so a reader sees why fusegen put it there. Comments are not in the AST,
+    so the mark changes nothing the rest of the build (imports, validation, the splice's re-parse) reasons about."""
+    setattr(stmt, REASON, " ".join(reason.split()))
+    return stmt
+
+
 def parse_class(cls: type) -> ast.ClassDef:
     """A fresh copy of the class statement of `cls`, with line numbers of its source file.
 

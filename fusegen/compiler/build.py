@@ -14,8 +14,7 @@ CLI writes it (`writer`). Each stage is its own module and hands the next plain 
 from __future__ import annotations
 
 import ast
-import hashlib
-import inspect
+import textwrap
 from dataclasses import dataclass, field
 
 import transformers
@@ -31,11 +30,12 @@ from fusegen.compiler.methods import CHECK, MIXIN, REGISTER, REGISTER_AUTO, TEMP
 from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes, merged_linears
 from fusegen.compiler.propagate import Emitted, classes_to_emit, fused_name, fused_names, rename_classes
 from fusegen.compiler.reachable import refuse_unreachable
-from fusegen.compiler.render import render
+from fusegen.compiler.render import LINE_LENGTH, render
 from fusegen.compiler.resolve import Target, resolve
 from fusegen.compiler.scopes import parents
 from fusegen.compiler.splice import class_text
 from fusegen.compiler.trace import record_inputs
+from fusegen.compiler.writer import source_fingerprint
 
 
 @dataclass
@@ -139,7 +139,7 @@ def render_module(analysis: Analysis, emission: Emission) -> str:
         source_module=target.module.__name__,
         model_type=target.model_type,
         build_target=target.source,
-        fingerprint=hashlib.sha256(inspect.getsource(target.module).encode()).hexdigest(),
+        fingerprint=source_fingerprint(target.module),
         fused_lines=[
             _comment_line(f"{fused_name(o.class_name)}: {plan.describe()}") for o in outcomes for plan in o.fused
         ],
@@ -147,6 +147,7 @@ def render_module(analysis: Analysis, emission: Emission) -> str:
             _comment_line(f"{o.class_name}: {refusal.describe()}") for o in outcomes for refusal in o.refused
         ],
         causal_lm=target.causal_lm.__name__,
+        summary=_summary(target.causal_lm.__name__, outcomes),
         imports=emission.imports,
         stacked_params_mapping=repr(stacked_mapping(plans)),
         packed_modules_mapping=repr({plan.merged: list(plan.projections) for plan in plans}),
@@ -193,6 +194,24 @@ def _validated(name: str, result: BuildResult, refused: Vetoes | None) -> BuildR
         for outcome in result.outcomes
     ]
     return BuildResult(result.target, outcomes, None, [], report)
+
+
+def _summary(causal_lm: str, outcomes: list[ClassOutcome]) -> str:
+    """The docstring's first sentence after `Fused <causal_lm>: `, from the plans applied: the merged linears by name,
+    then each other kind's `summary` with the classes it rewrote, one line each (wrapped to the line length)."""
+    merged = list(dict.fromkeys(plan.merged for o in outcomes for plan in merged_linears(o.fused)))
+    parts = [f"sibling projections merged into one GEMM each ({', '.join(merged)})"] if merged else []
+    rewritten: dict[str, list[str]] = {}
+    for outcome in outcomes:
+        for plan in outcome.fused:
+            if not plan.shards:
+                rewritten.setdefault(plan.kind, []).append(fused_name(outcome.class_name))
+    for name, classes in rewritten.items():
+        words = fusions.kind(name).summary or f"rewritten by the {name} kind"
+        parts.append(f"{', '.join(dict.fromkeys(classes))}: {words}")
+    lead = f"Fused {causal_lm}: "
+    lines = [textwrap.fill(part, LINE_LENGTH - 4, break_long_words=False) for part in [lead + parts[0], *parts[1:]]]
+    return ";\n".join(lines)[len(lead) :]
 
 
 def _comment_line(text: str) -> str:

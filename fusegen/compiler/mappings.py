@@ -8,7 +8,7 @@ from fusegen import fusions
 from fusegen.compiler.plan import FusionPlan
 from fusegen.compiler.resolve import Target
 from fusegen.errors import InputError
-from fusegen.runtime.tp import fused_plan_from
+from fusegen.runtime.tp import LOCAL_HEADS, MERGED_COLWISE, MLA_KV_A, fused_plan_from
 
 
 def stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
@@ -47,8 +47,41 @@ def tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict) ->
     original = getattr(model.config, "base_model_tp_plan", None)
     heads = {plan.merged for plan in plans if head_sharded_everywhere(plan)}
     kept = {name for fusion in plans for name in fusion.kept}
-    plan, reason = fused_plan_from(original, stacked_mapping(plans), parents, heads=heads, kept=kept)
-    return {"tp_plan": repr(plan) if plan else None, "tp_reason": reason}
+    stacked = stacked_mapping(plans)
+    plan, reason = fused_plan_from(original, stacked, parents, heads=heads, kept=kept)
+    if not plan:
+        return {"tp_plan": None, "tp_reason": reason, "tp_notes": []}
+    return {"tp_plan": repr(plan), "tp_reason": None, "tp_notes": tp_notes(plan, stacked, kept)}
+
+
+def tp_notes(plan: dict[str, str], stacked: dict[str, list[tuple]], kept: set[str]) -> list[str]:
+    """What the derived plan does with the merged linears, one comment line per fact, read off the plan itself (so
+    the generated file's comment says nothing the plan does not do: a file without a local-heads rule never claims
+    to shard q/k/v by heads)."""
+    styles: dict[str, set[str]] = {merged: set() for merged in stacked}
+    leaves, owners = set(), []
+    for key, style in plan.items():
+        leaf = key.rpartition(".")[2]
+        leaves.add(leaf)
+        styles.get(leaf, set()).add(style)
+        if style == LOCAL_HEADS:
+            owners.append(key)
+    notes = []
+    colwise = [merged for merged, found in styles.items() if MERGED_COLWISE in found]
+    if colwise:
+        notes.append(f"{', '.join(colwise)}: `{MERGED_COLWISE}`, each piece split as its own `colwise` rule split it")
+    if owners:
+        notes.append(f"{', '.join(owners)}: `{LOCAL_HEADS}`, q/k/v sharded by query and kv heads")
+    mla = [merged for merged, found in styles.items() if MLA_KV_A in found]
+    if mla:
+        notes.append(f"{', '.join(mla)}: `{MLA_KV_A}`, replicated, its rope columns' gradient all-reduced")
+    bare = [merged for merged, found in styles.items() if not found]
+    if bare:
+        notes.append(f"{', '.join(bare)}: no rule (replicated), as none of its pieces had one")
+    alone = [name for pieces in stacked.values() for name, _ in pieces if name in kept and name in leaves]
+    if alone:
+        notes.append(f"{', '.join(alone)}: own rules kept, for the layers or configs that build them unmerged")
+    return notes + ["every other rule: the config's own"]
 
 
 def head_sharded_everywhere(plan: FusionPlan) -> bool:

@@ -456,7 +456,7 @@ def _format(statements: list[ast.stmt], indent: str) -> str:
     if len(indent) % 4 or indent.strip():
         raise SpliceError(f"indentation {indent!r} is not a multiple of four spaces")
     depth = len(indent) // 4
-    body: list[ast.stmt] = list(statements)
+    body: list[ast.stmt] = copy.deepcopy(list(statements))  # reasons become marker statements in the copy
     for level in reversed(range(depth)):
         if level == 0:
             body = [ast.ClassDef(name="_", bases=[], keywords=[], body=body, decorator_list=[])]
@@ -466,7 +466,8 @@ def _format(statements: list[ast.stmt], indent: str) -> str:
         else:
             body = [ast.If(ast.Name("_", ast.Load()), body, [])]
     module = ast.fix_missing_locations(ast.Module(body, []))
-    text = black.format_str(ast.unparse(module), mode=MODE)
+    reasons = _mark_reasons(module)
+    text = _reasons_as_comments(black.format_str(ast.unparse(module), mode=MODE), reasons)
     lines = text.splitlines(keepends=True)
     headers = ["class _:\n", "    def _():\n"] + [f"{'    ' * level}if _:\n" for level in range(2, depth)]
     for header in headers[:depth]:
@@ -479,3 +480,47 @@ def _format(statements: list[ast.stmt], indent: str) -> str:
     while lines and not lines[-1].strip():
         lines.pop()
     return "".join(lines)
+
+
+REASON_MARKER = "_fusegen_reason_"
+
+
+def _mark_reasons(tree: ast.AST) -> list[str]:
+    """Put a marker statement (`_fusegen_reason_<i>`) before each statement of `tree` carrying a reason
+    (`astutil.with_reason`), in place; the reasons, by marker index."""
+    reasons: list[str] = []
+    for node in ast.walk(tree):
+        for name in BLOCK_FIELDS:
+            block = getattr(node, name, None)
+            if not isinstance(block, list):
+                continue
+            marked = []
+            for stmt in block:
+                reason = getattr(stmt, astutil.REASON, None)
+                if reason is not None:
+                    marker = ast.Expr(ast.Name(f"{REASON_MARKER}{len(reasons)}", ast.Load()))
+                    marked.append(ast.copy_location(marker, stmt))
+                    reasons.append(reason)
+                marked.append(stmt)
+            block[:] = marked
+    return reasons
+
+
+def _reasons_as_comments(text: str, reasons: list[str]) -> str:
+    """Each marker line of `text` becomes its reason as a comment at the marker's indentation (and black's blank
+    line between a marker and a definition goes, so the comment sits on the line above its statement)."""
+    lines = text.splitlines(keepends=True)
+    out: list[str] = []
+    pending = False
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith(REASON_MARKER) and stripped[len(REASON_MARKER) :].isdigit():
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(f"{indent}# {reasons[int(stripped[len(REASON_MARKER) :])]}\n")
+            pending = True
+            continue
+        if pending and not stripped:
+            continue
+        pending = False
+        out.append(line)
+    return "".join(out)

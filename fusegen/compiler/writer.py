@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import difflib
+import hashlib
+import inspect
 import os
 import re
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 TARGET_LINE = re.compile(r"^# fusegen-target: (\S+)$", re.MULTILINE)
+FINGERPRINT_LINE = re.compile(r"^# fusegen-source-sha256: ([0-9a-f]+)$", re.MULTILINE)
+
+
+def source_fingerprint(module: ModuleType) -> str:
+    """The SHA-256 of `module`'s source, as a generated file's header records it (`fusegen-source-sha256`)."""
+    return hashlib.sha256(inspect.getsource(module).encode()).hexdigest()
+
+
+def recorded_fingerprint(text: str) -> str | None:
+    """The source fingerprint a generated file's header records, or None if it has none."""
+    match = FINGERPRINT_LINE.search(text)
+    return match.group(1) if match else None
 
 
 def output_path(directory: Path, model_type: str) -> Path:

@@ -35,6 +35,10 @@ class Kind:
     runtime_names: ClassVar[frozenset[str]] = frozenset()
     """Names of `fusegen.runtime` the rewritten classes may call (`MergedColumnLinear`); a generated file imports
     those its classes use. Every other global a rewrite introduces must exist in the class's own module."""
+    summary: ClassVar[str | None] = None
+    """What a plan of this kind does to its class, in words for the generated file's docstring
+    (`"forward computed by one torch.nn.functional.rms_norm call"`); None: "rewritten by the <name> kind". Kinds that
+    merge linears are summed up by the merged linears they create, whatever this says."""
     label: ClassVar[tuple[str, str] | None] = None
     """The coverage summary's words for the pieces and for what a model has (`("q/k/v", "a q/k/v triplet")`), or
     None: the summary then counts nothing for this kind (`fusegen.tools.coverage.kind_counts`)."""

@@ -409,13 +409,15 @@ def rewrite_forward(forward: ast.FunctionDef, plan: NormPlan) -> None:
     x, n = plan.input_name, normalised(plan.eps)
     kwargs = f"{x}.shape[-1:], eps=self.{plan.eps}"
     condition = f"type(self.{plan.eps}) is float"
+    reason = "fusegen: rms_norm equals the statements below for a float eps only; any other eps runs them"
     if plan.style == "cast-then-weight":
         fast = _emit(plan.term, {_term("cast_x", n): f"{KERNEL}({x}, {kwargs})"}, x)
         dtypes = ", ".join(f"torch.{name}" for name in HALF_EXACT_DTYPES)
         condition = f"{condition} and {x}.dtype in ({dtypes})"
+        reason = f"fusegen: rms_norm equals the statements below for a float eps and a {'/'.join(HALF_EXACT_DTYPES)} input only"
     else:
         fast = _emit(plan.term, {n: f"{KERNEL}({x}.to(torch.float32), {kwargs})"}, x)
-    guard = ast.parse(f"if {condition}:\n    return {fast}").body[0]
+    guard = astutil.with_reason(ast.parse(f"if {condition}:\n    return {fast}").body[0], reason)
     docstring = forward.body[:1] if _is_docstring(forward.body[0]) else []
     forward.body = docstring + [guard] + forward.body[len(docstring) :]
     ast.fix_missing_locations(forward)
@@ -598,6 +600,7 @@ class RMSNormKind(Kind):
 
     name = KIND
     priority = 90
+    summary = f"forward computed by one {KERNEL} call"
 
     def candidate(self, module: nn.Module) -> bool:
         """Leaf modules (no children) of a class defined outside torch, named as a norm or whose forward's source
