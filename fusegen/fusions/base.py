@@ -39,6 +39,11 @@ class Kind:
     """What a plan of this kind does to its class, in words for the generated file's docstring
     (`"forward computed by one torch.nn.functional.rms_norm call"`); None: "rewritten by the <name> kind". Kinds that
     merge linears are summed up by the merged linears they create, whatever this says."""
+    rules: ClassVar[dict[str, str]] = {}
+    """The rule ids this kind's own refusals carry, each with what it refuses in one line; the rule registry
+    (`fusegen.compiler.rules.registry`) adds them. Rules the merged-linear machinery raises are registered there."""
+    rules_section: ClassVar[str] = ""
+    """The title of the docs/analysis.md section that documents `rules` (a test checks each rule is in it)."""
     label: ClassVar[tuple[str, str] | None] = None
     """The coverage summary's words for the pieces and for what a model has (`("q/k/v", "a q/k/v triplet")`), or
     None: the summary then counts nothing for this kind (`fusegen.tools.coverage.kind_counts`)."""

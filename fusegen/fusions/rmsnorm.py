@@ -73,7 +73,7 @@ RULES = {
     "norm-inexact": "the rewritten forward differs from the original when executed",
     "norm-subclassed": "another class of its module subclasses the norm and would inherit the rewrite",
 }
-"""Rule ids of this kind's refusals (what `fusegen report` prints), with what each one means."""
+"""Rule ids of this kind's refusals, with what each one means: the kind's `rules`, in the rule registry."""
 
 
 # --- terms -----------------------------------------------------------------------------------------------------------
@@ -601,6 +601,8 @@ class RMSNormKind(Kind):
     name = KIND
     priority = 90
     summary = f"forward computed by one {KERNEL} call"
+    rules = RULES
+    rules_section = "RMS norms become one kernel call"
 
     def candidate(self, module: nn.Module) -> bool:
         """Leaf modules (no children) of a class defined outside torch, named as a norm or whose forward's source

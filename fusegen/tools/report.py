@@ -1,8 +1,11 @@
-"""`fusegen report`: each candidate class's outcome (stages 1-6a: `compiler.build.analyse`), for people and tools."""
+"""`fusegen report`: each candidate class's outcome (`compiler.build.analyse`), for people and tools, with what each
+rule that fired means (the rule registry, `fusegen.compiler.rules`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
+
+from fusegen.compiler.rules import DOC, describe
 
 
 def report_data(analyses) -> dict:
@@ -27,7 +30,15 @@ def outcome_data(outcome) -> dict:
             {"kind": plan.kind, "merged": plan.merged, "shards": [list(shard) for shard in plan.shards]}
             for plan in outcome.fused
         ],
-        "refused": [{**asdict(refusal), "projections": list(refusal.projections)} for refusal in outcome.refused],
+        "refused": [
+            {
+                **asdict(refusal),
+                "projections": list(refusal.projections),
+                "rule_doc": describe(refusal.rule).doc,
+                "rule_section": describe(refusal.rule).section,
+            }
+            for refusal in outcome.refused
+        ],
         "trace_stopped": outcome.trace_error,
     }
 
@@ -51,4 +62,9 @@ def report_text(analyses) -> str:
                     f"  {outcome.class_name}: trace stopped early ({outcome.trace_error}): "
                     "linears called after that point were not seen"
                 )
+    fired = sorted({r.rule for analysis in analyses for outcome in analysis.outcomes for r in outcome.refused})
+    if fired:
+        lines.append(f"rules (documented in {DOC}):")
+        for rule in map(describe, fired):
+            lines.append(f"  {rule.id}: {rule.doc}" + (f" ({DOC}: {rule.section})" if rule.section else ""))
     return "\n".join(lines) + "\n"
