@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from fusegen.testkit import MODELS, logits_tolerance, model_classes, random_model, randomise, small_config
+from fusegen.testkit import MODELS, logits, logits_tolerance, model_classes, random_model, randomise, small_config
 
 TARGETS = {
     "q,v (PEFT default)": ["q_proj", "v_proj"],
@@ -28,11 +28,6 @@ TARGETS = {
     "k,up": ["k_proj", "up_proj"],
 }
 IDS = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
-
-
-def logits(model):
-    with torch.no_grad():
-        return model(IDS).logits
 
 
 def make_adapter(original_class, checkpoint, targets, out):
@@ -44,20 +39,20 @@ def make_adapter(original_class, checkpoint, targets, out):
     )
     randomise(model, lambda name: "lora_" in name)
     model.save_pretrained(out)
-    return logits(model.eval()), sum("lora_" in k for k in model.state_dict())
+    return logits(model, IDS), sum("lora_" in k for k in model.state_dict())
 
 
 def via_peft_model(fused_class, checkpoint, adapter):
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(fused_class.from_pretrained(checkpoint), adapter).eval()
-    return logits(model)
+    return logits(model, IDS)
 
 
 def via_load_adapter(fused_class, checkpoint, adapter):
     model = fused_class.from_pretrained(checkpoint)
     model.load_adapter(adapter)
-    return logits(model.eval())
+    return logits(model, IDS)
 
 
 def attempt(function, *args):
@@ -86,7 +81,7 @@ def training_round_trip(config_class, original_class, fused_class, checkpoint, t
         optimizer.zero_grad()
     model.save_pretrained(out)
     reloaded = PeftModel.from_pretrained(original_class.from_pretrained(checkpoint), out).eval()
-    return logits(reloaded), logits(model.eval())
+    return logits(reloaded, IDS), logits(model, IDS)
 
 
 def judged(expected, got) -> str:

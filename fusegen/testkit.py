@@ -10,6 +10,7 @@ the other way round, and nobody would know which figure to believe.
 - `tiny_config`: any model type's config shrunk generically (`fusegen.compiler.shrink`), text part selected.
 - `save_random`, `load_pair`: an original checkpoint saved once, and original + fused both loaded from it.
 - `random_input`: fixed token ids that avoid the config's special tokens.
+- `logits`: one eval-mode forward's logits without gradients (the compiler's validation reads them the same way).
 - `TOLERANCE`, `GRAD_TOLERANCE`, `logits_tolerance`: defined by the compiler's validation, which holds every build to
   them (`logits_tolerance(expected)`, TOLERANCE times the logits' scale, is the one logits rule).
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from fusegen.compiler.validate import GRAD_TOLERANCE, TOLERANCE, logits_tolerance
+from fusegen.compiler.validate import GRAD_TOLERANCE, TOLERANCE, logits, logits_tolerance
 
 __all__ = [
     "BATCH",
@@ -40,6 +41,7 @@ __all__ = [
     "input_rows",
     "load_fused",
     "load_pair",
+    "logits",
     "logits_tolerance",
     "max_diff",
     "model_classes",

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fusegen.runtime import CheckpointError, files, load_checkpoint
 from fusegen.runtime.streaming import concatenate_into_new, file_region, fill_from_file, reading_session
-from fusegen.testkit import MODELS, model_classes, small_config
+from fusegen.testkit import MODELS, logits, model_classes, small_config
 from fusegen.tools.convert import convert_checkpoint
 from generated.fused_llama import FusedLlamaForCausalLM, FusedLlamaModel
 
@@ -30,9 +30,7 @@ QKV = "model.layers.0.self_attn.qkv_proj.weight"
 Q = "model.layers.0.self_attn.q_proj.weight"
 
 
-def logits(model):
-    with torch.no_grad():
-        return model.eval()(torch.arange(12).unsqueeze(0)).logits
+IDS = torch.arange(12).unsqueeze(0)
 
 
 def mapped_file(tensor: torch.Tensor) -> str | None:
@@ -58,7 +56,7 @@ def fused_checkpoint(checkpoint, tmp_path, model_type="llama", **convert_kwargs)
 def test_fused_layout_loads_through_from_pretrained_zero_copy(checkpoint, tmp_path, model_type, shard_size):
     _, out, original, fused_class = fused_checkpoint(checkpoint, tmp_path, model_type, max_shard_size=shard_size)
     model = fused_class.from_pretrained(out)
-    assert torch.equal(logits(model), logits(original))
+    assert torch.equal(logits(model, IDS), logits(original, IDS))
     # The merged weight is a view of the fused file's mapping, as the original's weights are of theirs.
     assert mapped_file(model.model.layers[0].self_attn.qkv_proj.weight).startswith("fused")
     assert mapped_file(model.model.layers[1].mlp.gate_up_proj.weight).startswith("fused")
@@ -80,7 +78,7 @@ def test_fused_layout_base_model_and_explicit_config(checkpoint, tmp_path):
     base = FusedLlamaModel.from_pretrained(out)
     assert torch.equal(base.layers[0].self_attn.qkv_proj.weight[:64], original.model.layers[0].self_attn.q_proj.weight)
     model = FusedLlamaForCausalLM.from_pretrained(out, config=original.config)
-    assert torch.equal(logits(model), logits(original))
+    assert torch.equal(logits(model, IDS), logits(original, IDS))
 
 
 def test_model_loaded_from_fused_layout_saves_the_canonical_one(checkpoint, tmp_path):
@@ -90,7 +88,7 @@ def test_model_loaded_from_fused_layout_saves_the_canonical_one(checkpoint, tmp_
     model.save_pretrained(tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert "fusegen" not in saved and "transformers_weights" not in saved
-    assert torch.equal(logits(LlamaForCausalLM.from_pretrained(tmp_path / "saved")), logits(original))
+    assert torch.equal(logits(LlamaForCausalLM.from_pretrained(tmp_path / "saved"), IDS), logits(original, IDS))
 
 
 def test_fused_layout_with_another_row_order_is_refused(checkpoint, tmp_path):
@@ -123,7 +121,7 @@ def test_canonical_from_pretrained_matches_the_original(checkpoint, model_type, 
         pieces = [getattr(getattr(attention, name), leaf) for name in ("q_proj", "k_proj", "v_proj")]
         assert torch.equal(getattr(model.model.layers[1].self_attn.qkv_proj, leaf), torch.cat(pieces))
     assert mapped_file(model.model.layers[0].self_attn.qkv_proj.weight) is None  # new memory, not the file's
-    assert torch.equal(logits(model), logits(original))
+    assert torch.equal(logits(model, IDS), logits(original, IDS))
 
 
 def test_sharded_canonical_from_pretrained(checkpoint):
@@ -131,7 +129,7 @@ def test_sharded_canonical_from_pretrained(checkpoint):
         LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2), max_shard_size="20KB"
     )
     assert (path / "model.safetensors.index.json").exists()
-    assert torch.equal(logits(FusedLlamaForCausalLM.from_pretrained(path)), logits(original))
+    assert torch.equal(logits(FusedLlamaForCausalLM.from_pretrained(path), IDS), logits(original, IDS))
 
 
 def test_pieces_of_a_mapped_file_are_read_from_the_file(tmp_path):
@@ -234,7 +232,7 @@ def test_pickle_only_checkpoint_is_refused_by_from_pretrained_unless_allowed(tmp
     with pytest.raises(CheckpointError, match="pickle"):
         FusedLlamaForCausalLM.from_pretrained(tmp_path / "bin")
     model = FusedLlamaForCausalLM.from_pretrained(tmp_path / "bin", allow_pickle=True)
-    assert torch.equal(logits(model), logits(original))
+    assert torch.equal(logits(model, IDS), logits(original, IDS))
 
 
 CUT_AFTER_VALIDATION = textwrap.dedent("""

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from fusegen.runtime import load_checkpoint
-from fusegen.testkit import MODELS, TOLERANCE, model_classes, small_config
+from fusegen.testkit import MODELS, TOLERANCE, logits, model_classes, small_config
 from fusegen.tools import convert, verify
 from fusegen.tools.convert import convert_checkpoint
 from generated.fused_llama import FusedLlamaForCausalLM
@@ -34,9 +34,7 @@ def last_line(stderr: str) -> str:
     return stderr.strip().splitlines()[-1]
 
 
-def logits(model):
-    with torch.no_grad():
-        return model.eval()(torch.arange(12).unsqueeze(0)).logits
+IDS = torch.arange(12).unsqueeze(0)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -68,7 +66,7 @@ def test_convert_writes_a_fused_layout_that_loads(checkpoint, tmp_path, model_ty
 
     model = fused_class(original.config)
     assert load_checkpoint(model, out).layout == "fused"
-    assert torch.equal(logits(model), logits(original))
+    assert torch.equal(logits(model, IDS), logits(original, IDS))
 
 
 def test_convert_shards_and_keeps_dtype(checkpoint, tmp_path):
@@ -82,7 +80,7 @@ def test_convert_shards_and_keeps_dtype(checkpoint, tmp_path):
     assert {tensor.dtype for tensor in load_file(next(out.glob("fused-*.safetensors"))).values()} == {torch.bfloat16}
     model = FusedLlamaForCausalLM(original.config).to(torch.bfloat16)
     load_checkpoint(model, out)
-    assert torch.equal(logits(model), logits(original))
+    assert torch.equal(logits(model, IDS), logits(original, IDS))
 
 
 def test_original_class_refuses_a_fused_checkpoint_loudly(checkpoint, tmp_path):

@@ -16,6 +16,7 @@ from fusegen.runtime import AdapterError
 from fusegen.testkit import (
     MODELS,
     TOLERANCE,
+    logits,
     logits_tolerance,
     model_classes,
     random_model,
@@ -29,11 +30,6 @@ pytestmark = pytest.mark.slow  # PEFT, export and remote-code loads, many in fre
 
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _logits(model):
-    with torch.no_grad():
-        return model(input_ids=IDS).logits
 
 
 def _base(checkpoint, model_type):
@@ -61,7 +57,7 @@ def _adapter(tmp_path, original_class, path, **lora):
     """An adapter trained (randomised) on the original; returns (adapter dir, the original's logits with it)."""
     model = _random_lora(get_peft_model(original_class.from_pretrained(path), LoraConfig(**{"r": 4, **lora})))
     model.save_pretrained(tmp_path / "adapter")  # (tmp_path may not exist yet: save_pretrained makes it)
-    return tmp_path / "adapter", _logits(model.eval())
+    return tmp_path / "adapter", logits(model, IDS)
 
 
 def _lora_keys(directory):
@@ -80,13 +76,13 @@ def test_forward_survives_a_wrapper_that_hides_output_sizes(checkpoint):
     """A module standing in for qkv_proj (as PEFT's and quantizers' do) has no `output_sizes`."""
     path, _, fused_class = _base(checkpoint, "llama")
     fused = fused_class.from_pretrained(path).eval()
-    expected = _logits(fused)
+    expected = logits(fused, IDS)
     for layer in fused.model.layers:
         merged = layer.self_attn.qkv_proj
         plain = nn.Linear(merged.in_features, merged.out_features, bias=merged.bias is not None)
         plain.load_state_dict(merged.state_dict())
         layer.self_attn.qkv_proj = plain
-    assert torch.equal(_logits(fused), expected)
+    assert torch.equal(logits(fused, IDS), expected)
 
 
 def test_sizes_attribute_is_checked_for_name_clashes(case_path):
@@ -113,7 +109,7 @@ def test_original_adapter_gives_the_originals_outputs(checkpoint, tmp_path, mode
         fused = PeftModel.from_pretrained(fused, adapter)
     else:
         fused.load_adapter(adapter)
-    assert_same_logits(_logits(fused.eval()), expected)
+    assert_same_logits(logits(fused, IDS), expected)
 
 
 def test_two_adapters_low_cpu_mem_usage_and_switching(checkpoint, tmp_path):
@@ -123,11 +119,11 @@ def test_two_adapters_low_cpu_mem_usage_and_switching(checkpoint, tmp_path):
     fused = PeftModel.from_pretrained(fused_class.from_pretrained(path), first, low_cpu_mem_usage=True).eval()
     fused.load_adapter(second, adapter_name="second")
     fused.set_adapter("second")
-    assert_same_logits(_logits(fused), expected_second)
+    assert_same_logits(logits(fused, IDS), expected_second)
     fused.set_adapter("default")
-    assert_same_logits(_logits(fused), expected_first)
+    assert_same_logits(logits(fused, IDS), expected_first)
     with fused.disable_adapter():
-        assert torch.equal(_logits(fused), _logits(fused_class.from_pretrained(path).eval()))
+        assert torch.equal(logits(fused, IDS), logits(fused_class.from_pretrained(path), IDS))
 
 
 def test_ranks_may_differ_per_piece_when_the_scaling_agrees(checkpoint, tmp_path):
@@ -135,7 +131,7 @@ def test_ranks_may_differ_per_piece_when_the_scaling_agrees(checkpoint, tmp_path
     lora = {"target_modules": ["q_proj", "v_proj"], "rank_pattern": {"v_proj": 8}, "alpha_pattern": {"v_proj": 16}}
     adapter, expected = _adapter(tmp_path, original_class, path, lora_alpha=8, **lora)
     fused = PeftModel.from_pretrained(fused_class.from_pretrained(path), adapter)
-    assert_same_logits(_logits(fused.eval()), expected)
+    assert_same_logits(logits(fused, IDS), expected)
     assert fused.base_model.model.model.layers[0].self_attn.qkv_proj.r["default"] == 12
 
 
@@ -193,11 +189,11 @@ def test_training_step_on_the_fused_model_equals_the_originals(checkpoint, tmp_p
     adapter, _ = _adapter(tmp_path, original_class, path, target_modules=["q_proj", "v_proj", "up_proj"], lora_alpha=8)
     original = _sgd_step(PeftModel.from_pretrained(original_class.from_pretrained(path), adapter, is_trainable=True))
     fused = _sgd_step(PeftModel.from_pretrained(fused_class.from_pretrained(path), adapter, is_trainable=True))
-    assert_same_logits(_logits(fused), _logits(original))
+    assert_same_logits(logits(fused, IDS), logits(original, IDS))
     fused.save_pretrained(tmp_path / "trained")
     assert not any("qkv_proj" in key or "gate_up_proj" in key for key in _lora_keys(tmp_path / "trained"))
     reloaded = PeftModel.from_pretrained(original_class.from_pretrained(path), tmp_path / "trained")
-    assert_same_logits(_logits(reloaded.eval()), _logits(original))
+    assert_same_logits(logits(reloaded, IDS), logits(original, IDS))
 
 
 @pytest.mark.parametrize(
@@ -219,7 +215,7 @@ def test_lora_training_by_original_or_fused_names_saves_canonically(checkpoint, 
     assert {name.rpartition(".")[2] for name in saved["target_modules"]} == canonical
     assert {key.split(".")[-3] for key in _lora_keys(tmp_path / "trained")} == canonical
     reloaded = PeftModel.from_pretrained(original_class.from_pretrained(path), tmp_path / "trained")
-    assert_same_logits(_logits(reloaded.eval()), _logits(model))
+    assert_same_logits(logits(reloaded, IDS), logits(model, IDS))
 
 
 def test_merge_and_unload_gives_the_adapted_outputs(checkpoint, tmp_path):
@@ -227,7 +223,7 @@ def test_merge_and_unload_gives_the_adapted_outputs(checkpoint, tmp_path):
     adapter, expected = _adapter(tmp_path, original_class, path, target_modules=["k_proj", "gate_proj"])
     merged = PeftModel.from_pretrained(fused_class.from_pretrained(path), adapter).merge_and_unload()
     assert type(merged.model.layers[0].self_attn.qkv_proj).__name__ == "MergedColumnLinear"
-    assert_same_logits(_logits(merged.eval()), expected)
+    assert_same_logits(logits(merged, IDS), expected)
 
 
 def test_importing_a_generated_file_does_not_import_peft_but_arms_it():
@@ -256,7 +252,7 @@ def test_saved_config_names_the_original_architecture(checkpoint, tmp_path, mode
     config["architectures"] = [fused_class.__name__]
     (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
     for directory in (path, tmp_path / "saved"):
-        torch.testing.assert_close(_logits(fused_class.from_pretrained(directory).eval()), _logits(fused.eval()))
+        torch.testing.assert_close(logits(fused_class.from_pretrained(directory), IDS), logits(fused, IDS))
 
 
 def _tokenizer():

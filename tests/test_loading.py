@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fusegen.runtime import CheckpointError, load_checkpoint, load_weights, save_checkpoint
 from fusegen.runtime.loading import FUSED, LAYOUT_KEY, STACKED_KEY, open_checkpoint, parse_size, write_safetensors
-from fusegen.testkit import MODELS, model_classes, random_model, small_config
+from fusegen.testkit import MODELS, logits, model_classes, random_model, small_config
 from generated.fused_llama import STACKED_PARAMS_MAPPING, FusedLlamaForCausalLM
 
 Q = "model.layers.0.self_attn.q_proj.weight"
@@ -87,10 +87,7 @@ def fused():
     return model, snapshot(model)
 
 
-def logits(model, ids=None):
-    ids = torch.arange(10).unsqueeze(0) if ids is None else ids
-    with torch.no_grad():
-        return model.eval()(ids).logits
+IDS = torch.arange(10).unsqueeze(0)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -109,7 +106,7 @@ def test_canonical_checkpoint_loads_into_merged_slices(checkpoint, model_type, k
     attention = original.model.layers[1].self_attn
     expected = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
     assert torch.equal(model.model.layers[1].self_attn.qkv_proj.weight, expected)
-    assert torch.equal(logits(model), logits(original))
+    assert torch.equal(logits(model, IDS), logits(original, IDS))
 
 
 def test_sharded_transformers_checkpoint_loads(checkpoint):
@@ -117,7 +114,7 @@ def test_sharded_transformers_checkpoint_loads(checkpoint):
     assert (path / "model.safetensors.index.json").exists()
     model = FusedLlamaForCausalLM(original.config)
     assert len(load_checkpoint(model, path).files) > 1
-    assert torch.equal(logits(model), logits(original))
+    assert torch.equal(logits(model, IDS), logits(original, IDS))
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -155,7 +152,7 @@ def test_fused_layout_loads(tmp_path):
     model = FusedLlamaForCausalLM(config)
     report = load_checkpoint(model, tmp_path / "fused")
     assert report.layout == "fused" and len(report.files) > 1
-    assert torch.equal(logits(model), logits(source))
+    assert torch.equal(logits(model, IDS), logits(source, IDS))
 
 
 def test_explicit_stacked_mapping_is_used(fused, tmp_path):
@@ -516,7 +513,7 @@ def test_load_weights_from_canonical_names(tie):
     model = FusedLlamaForCausalLM(config)
     loaded = load_weights(model, original.state_dict().items())
     assert loaded == {name for name, _ in model.named_parameters()}
-    assert torch.equal(logits(model), logits(original))
+    assert torch.equal(logits(model, IDS), logits(original, IDS))
 
 
 def test_load_weights_from_fused_names_returns_fused_param_names():
@@ -525,7 +522,7 @@ def test_load_weights_from_fused_names_returns_fused_param_names():
     model = FusedLlamaForCausalLM(config)
     loaded = load_weights(model, iter(source.state_dict().items()))
     assert QKV in loaded and loaded == {name for name, _ in model.named_parameters()}
-    assert torch.equal(logits(model), logits(source))
+    assert torch.equal(logits(model, IDS), logits(source, IDS))
 
 
 def test_load_weights_partial_reports_only_what_it_filled():

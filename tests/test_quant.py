@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from fusegen.runtime.quant import QuantizationRefused
-from fusegen.testkit import MODELS, TOLERANCE, model_classes, random_model, small_config
+from fusegen.testkit import MODELS, TOLERANCE, logits, model_classes, random_model, small_config
 from generated.fused_llama import FusedLlamaForCausalLM
 
 pytestmark = pytest.mark.slow  # quantizers on every scheme
@@ -51,11 +51,6 @@ def _ids():
     return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def _logits(model):
-    with torch.no_grad():
-        return model.eval()(_ids()).logits
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """One float checkpoint per model type, saved by the original class."""
@@ -81,11 +76,13 @@ def test_fused_model_quantizes_as_the_original(saved, model_type, scheme):
     for merged in (fused.model.layers[0].self_attn.qkv_proj, fused.model.layers[0].mlp.gate_up_proj):
         assert isinstance(merged, type(piece)), f"{merged} is not quantized like {piece}"  # torchao: in place
         assert type(merged.weight) is type(piece.weight)
-    difference = (_logits(original) - _logits(fused)).abs().max().item()
+    difference = (logits(original, _ids()) - logits(fused, _ids())).abs().max().item()
     print(f"{model_type} {scheme}: max |logits fused - original| = {difference:.3g}")
     assert difference <= TOLERANCE
     # Quantized at all: the logits moved away from the float model's.
-    assert (_logits(original_class.from_pretrained(saved[model_type])) - _logits(fused)).abs().max() > 1e-4
+    assert (
+        logits(original_class.from_pretrained(saved[model_type]), _ids()) - logits(fused, _ids())
+    ).abs().max() > 1e-4
 
 
 REFUSED = {
@@ -167,7 +164,7 @@ def test_bnb_8bit_fused_model_saves_what_the_original_loads(saved, tmp_path):
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
     assert reloaded.config.quantization_config.load_in_8bit
     assert type(reloaded.model.layers[0].self_attn.k_proj) is type(original.model.layers[0].self_attn.k_proj)
-    assert (_logits(original) - _logits(reloaded)).abs().max().item() <= TOLERANCE
+    assert (logits(original, _ids()) - logits(reloaded, _ids())).abs().max().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize("scheme", ["bnb-4bit-nf4", "torchao-int8-weight-only"])

@@ -31,7 +31,7 @@ from fusegen.runtime import (
     build_stacked_converters,
     register_stacked_checkpoint,
 )
-from fusegen.testkit import TOLERANCE, random_model
+from fusegen.testkit import TOLERANCE, logits, random_model
 
 # --------------------------------------------------------------------------------------------------------------------
 # A hand-written fused model, shaped like the compiler's output
@@ -175,11 +175,6 @@ def _load(cls, path, **kwargs):
     return model.eval()
 
 
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
 def _saved_tensors(path):
     """Every tensor in a saved checkpoint dir (single-file or sharded), by name."""
     tensors = {}
@@ -265,7 +260,7 @@ def test_load_original_checkpoint(tmp_path, kind, tied):
         assert torch.equal(fused_layer.mlp.gate_up_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
     assert (fused.lm_head.weight is fused.model.embed_tokens.weight) == tied
     assert torch.equal(fused.lm_head.weight, original.lm_head.weight)
-    torch.testing.assert_close(_logits(fused, IDS), _logits(original, IDS), rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(logits(fused, IDS), logits(original, IDS), rtol=0, atol=TOLERANCE)
 
 
 def test_load_sharded_checkpoint(tmp_path):
@@ -277,7 +272,7 @@ def test_load_sharded_checkpoint(tmp_path):
     assert len({weight_map[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")}) > 1
 
     fused = _load(FusedLlamaForCausalLM, path)
-    torch.testing.assert_close(_logits(fused, IDS), _logits(original, IDS), rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(logits(fused, IDS), logits(original, IDS), rtol=0, atol=TOLERANCE)
 
 
 def test_load_honours_dtype(tmp_path):
@@ -310,7 +305,7 @@ def test_qwen2_biases(tmp_path):
     attn = original.model.layers[0].self_attn
     expected = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
     assert torch.equal(fused.model.layers[0].self_attn.qkv_proj.bias, expected)
-    torch.testing.assert_close(_logits(fused, IDS), _logits(original, IDS), rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(logits(fused, IDS), logits(original, IDS), rtol=0, atol=TOLERANCE)
 
     reloaded = _load(Qwen2ForCausalLM, _save(fused, tmp_path / "fused"))
     _assert_same_state(reloaded, original)
@@ -378,7 +373,7 @@ def test_save_fresh_fused_model(tmp_path, kind):
         and torch.equal(attn.k_proj.weight, k)
         and torch.equal(attn.v_proj.weight, v)
     )
-    torch.testing.assert_close(_logits(original, IDS), _logits(fused, IDS), rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(logits(original, IDS), logits(fused, IDS), rtol=0, atol=TOLERANCE)
 
     # ...and the fused class reads its own output back.
     _assert_same_state(_load(FusedLlamaForCausalLM, path), fused)
@@ -449,7 +444,7 @@ def test_registering_head_class_too_is_harmless(tmp_path):
     register_stacked_checkpoint(["FusedHeadModel", "FusedHeadForCausalLM"], STACKED_PARAMS_MAPPING, parents=PARENTS)
     original = _original(_config("gqa"))
     fused = _load(FusedHeadForCausalLM, _save(original, tmp_path / "orig"))
-    torch.testing.assert_close(_logits(fused, IDS), _logits(original, IDS), rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(logits(fused, IDS), logits(original, IDS), rtol=0, atol=TOLERANCE)
     _assert_same_state(_load(LlamaForCausalLM, _save(fused, tmp_path / "fused")), original)
 
 

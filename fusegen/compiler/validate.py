@@ -251,10 +251,10 @@ _WHERE = {"eval": "eval", "train": "train mode", "checkpointing": "train mode wi
 def _step(step: str, model, input_ids, kwargs: dict | None = None) -> tuple:
     """`(logits, gradients or None, eval arguments or None)` of one eval step or one train step."""
     if step == "eval":
-        logits, used = _eval_logits(model, input_ids, kwargs)
-        return logits, None, used
-    logits, grads = _train_step(model, input_ids, checkpointing=step == "checkpointing")
-    return logits, grads, None
+        values, used = _eval_logits(model, input_ids, kwargs)
+        return values, None, used
+    values, grads = _train_step(model, input_ids, checkpointing=step == "checkpointing")
+    return values, grads, None
 
 
 def _fused_copy(original, fused_class, config, mapping, merging: set[str], dtype):
@@ -313,17 +313,16 @@ def _eval_logits(model, input_ids, kwargs: dict | None = None) -> tuple:
     """`(logits, kwargs)` in eval mode. With `kwargs` None (the original): with the model's cache, else once without
     it when only the cache set-up fails; the fused model is then run with exactly the arguments the original took."""
     mask = torch.ones_like(input_ids)
-    with torch.no_grad():
-        if kwargs is not None:
-            return _logits_of(model.eval()(input_ids=input_ids, attention_mask=mask, **kwargs)).double(), kwargs
+    if kwargs is not None:
+        return logits(model, input_ids, attention_mask=mask, **kwargs).double(), kwargs
+    try:
+        return logits(model, input_ids, attention_mask=mask).double(), {}
+    except Exception as error:  # noqa: BLE001 - some models fail only in their cache set-up; try once without
         try:
-            return _logits_of(model.eval()(input_ids=input_ids, attention_mask=mask)).double(), {}
-        except Exception as error:  # noqa: BLE001 - some models fail only in their cache set-up; try once without
-            try:
-                output = model(input_ids=input_ids, attention_mask=mask, use_cache=False)
-            except Exception:  # noqa: BLE001 - the first failure is the one worth reporting
-                raise error from None
-            return _logits_of(output).double(), {"use_cache": False}
+            output = logits(model, input_ids, attention_mask=mask, use_cache=False)
+        except Exception:  # noqa: BLE001 - the first failure is the one worth reporting
+            raise error from None
+        return output.double(), {"use_cache": False}
 
 
 def _train_step(model, input_ids, checkpointing: bool):
@@ -340,9 +339,9 @@ def _train_step(model, input_ids, checkpointing: bool):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED + 2)
             output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
-        logits = _logits_of(output).double()
-        cotangent = torch.randn(logits.shape, generator=torch.Generator().manual_seed(SEED + 3), dtype=logits.dtype)
-        (logits * cotangent).sum().backward()
+        values = logits_of(output).double()
+        cotangent = torch.randn(values.shape, generator=torch.Generator().manual_seed(SEED + 3), dtype=values.dtype)
+        (values * cotangent).sum().backward()
     finally:
         if checkpointing:
             getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
@@ -351,10 +350,20 @@ def _train_step(model, input_ids, checkpointing: bool):
         name: p.grad if p.grad is not None else torch.zeros_like(p)
         for name, p in model.named_parameters(remove_duplicate=False)
     }
-    return logits.detach(), grads
+    return values.detach(), grads
 
 
-def _logits_of(output):
+def logits(model, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The logits of one eval-mode forward of `model` on `input_ids` (and `kwargs`), without gradients.
+
+    The one logits helper: validation, the coverage tool and the tests (through `fusegen.testkit`) all read logits
+    this way, so every comparison sees the same forward."""
+    with torch.no_grad():
+        return logits_of(model.eval()(input_ids=input_ids, **kwargs))
+
+
+def logits_of(output) -> torch.Tensor:
+    """A model output's logits: `output.logits`, or the first element of a model that returns a tuple."""
     return output.logits if hasattr(output, "logits") else output[0]
 
 
