@@ -199,18 +199,9 @@ def write_checkpoints(shape: str, layers: int, directory: Path, dtypes=None) -> 
     return paths
 
 
-def load_pair(path: Path, dtype: str, original: bool = True):
-    """(original, fused) loaded from the same checkpoint directory; `original=False` loads only the fused one."""
-    from fusegen.testkit import load_fused
-
-    kwargs = {"dtype": torch_dtype(dtype), "attn_implementation": "sdpa"}
-    fused = load_fused(path, **kwargs)  # first, as it always was: where the weights land moves GEMV speed
-    assert fused.config._attn_implementation == "sdpa"
-    if not original:
-        return None, fused
-    original = model_classes(fused.config.model_type)[1].from_pretrained(path, **kwargs).eval()
-    assert original.config._attn_implementation == "sdpa"
-    return original, fused
+def load_kwargs(dtype: str) -> dict:
+    """What every bench passes to `fusegen.testkit.load_pair` / `load_fused`: the dtype and sdpa attention."""
+    return {"dtype": torch_dtype(dtype), "attn_implementation": "sdpa"}
 
 
 def decode_weight_bytes(model, batch: int = 1) -> int:
@@ -548,7 +539,9 @@ def child_compile(path: str, dtype: str, cache_len: int, reps: int, steps: int, 
     _child_threads()
     quiet_transformers()
     sampler = Sampler(threshold, 3.0)
-    original, fused = load_pair(Path(path), dtype)
+    from fusegen.testkit import load_pair
+
+    original, fused = load_pair(Path(path), **load_kwargs(dtype))
     vocab = original.config.vocab_size
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(0, vocab, (1, cache_len), generator=generator)

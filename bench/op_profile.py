@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as bench
 
+from fusegen.testkit import load_pair
+
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
@@ -80,7 +82,7 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="fusegen-profile-") as tmp:
         path = bench.write_checkpoints(args.shape, args.layers, Path(tmp))[args.dtype]
-        models = bench.load_pair(path, args.dtype)
+        models = load_pair(path, **bench.load_kwargs(args.dtype))
     vocab = models[0].config.vocab_size
     steps = []
     with torch.inference_mode():

@@ -64,7 +64,7 @@ from harness import (
     device_unavailable,
     gemv_bandwidth,
     in_process,
-    load_pair,
+    load_kwargs,
     machine_info,
     median,
     memory_bandwidth,
@@ -78,6 +78,8 @@ from harness import (
 )
 from report import log
 
+from fusegen.testkit import load_fused, load_pair
+
 __all__ = ["QUICK", "Bench", "Sampler", "device_clock", "main", "run_device_section"]
 
 
@@ -89,7 +91,7 @@ def runtime_section(bench: Bench, shape: str, dtype: str, path: Path) -> None:
     """Numerics, then decode rows per cache length and batch, then prefill, for one shape and dtype."""
     import torch
 
-    models = load_pair(path, dtype)
+    models = load_pair(path, **load_kwargs(dtype))
     diff = numerics(*models, models[0].config.vocab_size)
     bench.results["numerics"][f"{shape}_{dtype}"] = diff
     log(report.numerics_line(diff))
@@ -137,7 +139,7 @@ def decode_row(bench: Bench, shape, dtype, path, models, caches, ids, tokens, we
     runners = [decode_step_runner(m, c, tokens, steps) for m, c in zip(models, caches)]
     control = batch_one and ids.shape[1] == cfg["cache_lens"][0]
     if control:
-        control_model = load_pair(path, dtype, original=False)[1]
+        control_model = load_fused(path, **load_kwargs(dtype))
         with torch.inference_mode():
             control_cache = control_model(ids, use_cache=True, logits_to_keep=1).cache
         runners.append(decode_step_runner(control_model, control_cache, tokens, steps))
@@ -257,7 +259,7 @@ def device_section(bench: Bench, shape: str, path: Path, device, modes, compile_
     import torch
 
     cfg, clock = bench.cfg, device_clock(device)
-    original, fused = (model.to(device) for model in load_pair(path, "bf16"))
+    original, fused = (model.to(device) for model in load_pair(path, **load_kwargs("bf16")))
     vocab, cache_len = original.config.vocab_size, cfg["cache_lens"][0]
     generator = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, vocab, (1, cache_len), generator=generator).to(device)

@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as bench
 
+from fusegen.testkit import load_fused, load_pair
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,9 +37,9 @@ def main() -> None:
     bench.quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="fusegen-swap-") as tmp:
         path = bench.write_checkpoints(args.shape, args.layers, Path(tmp))[args.dtype]
-        original, fused = bench.load_pair(path, args.dtype)
-        fused_attention = bench.load_pair(path, args.dtype, original=False)[1]
-        fused_mlp = bench.load_pair(path, args.dtype, original=False)[1]
+        original, fused = load_pair(path, **bench.load_kwargs(args.dtype))
+        fused_attention = load_fused(path, **bench.load_kwargs(args.dtype))
+        fused_mlp = load_fused(path, **bench.load_kwargs(args.dtype))
     for layer, attention_only, mlp_only in zip(
         original.model.layers, fused_attention.model.layers, fused_mlp.model.layers
     ):

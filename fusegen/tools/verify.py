@@ -92,7 +92,7 @@ def compare(original, fused, prompts: list[torch.Tensor], steps: int) -> Compari
     return Comparison(max_diff, scale, agreed, decisions)
 
 
-def load_pair(checkpoint_dir: Path, generated_dir: Path, dtype: torch.dtype):
+def load_models(checkpoint_dir: Path, generated_dir: Path, dtype: torch.dtype):
     """(original, fused) in eval mode and `dtype`, from the same canonical checkpoint."""
     from transformers import AutoModelForCausalLM
 
@@ -133,7 +133,7 @@ def _positive(text: str) -> int:
 @command
 def run(args: argparse.Namespace) -> int:
     """Exit 0 within tolerance, 1 beyond it, 2 on bad input (`fusegen: error: ...` on stderr, see fusegen.errors)."""
-    original, fused = load_pair(args.checkpoint_dir, args.generated_dir, DTYPES[args.dtype])
+    original, fused = load_models(args.checkpoint_dir, args.generated_dir, DTYPES[args.dtype])
     prompts = random_prompts(args.prompts, args.prompt_length, original.config.vocab_size, args.seed)
     result = compare(original, fused, prompts, max(args.steps, 0))
     allowed = tolerance(args.dtype, result.reference_scale)
