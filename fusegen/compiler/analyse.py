@@ -1,4 +1,5 @@
-"""Stages 3-5: trace, match, and rewrite the source of each candidate class.
+"""Stages 3-5: trace, match, and rewrite the source of each candidate class (stage 5 ends in `build.analyse`, which
+refuses what the causal LM never builds: `reachable`).
 
 Each plan is tried on a copy of the class; a plan that any rule refuses is
 recorded with its reason and the class keeps its original projections.

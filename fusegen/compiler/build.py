@@ -3,12 +3,14 @@
     resolve -> instantiate -> trace -> match -> rewrite -> propagate -> render -> validate -> write
 
 1. `resolve` turns the name into the module and causal LM class; 2. `instantiate` builds it on `meta` and picks
-the candidate classes; 3-5. `analyse` traces (`trace`), matches (`match`) and rewrites (`rewrite_init`,
-`rewrite_forward`, under the rules of `safety`) each candidate class, with the vetoes found outside a class
-(`vetoes`) fed back in; 6. `propagate` copies every class that names a fused class (`reachable` refuses what the
-causal LM never builds; `methods` adds the runtime base class; `scopes`, `mappings` and `imports` derive the file's
-tables and imports); 7. `render` fills the template; 8. `validate` runs the result against the original; 9. the
-CLI writes it (`writer`). Each stage is its own module and hands the next plain data; this one only calls them.
+the candidate classes; 3-5. `analyse` traces (`trace`), matches (`match`) and rewrites each candidate class (each
+fusion kind's rewrite; the merged linears' are `rewrite_init`, `rewrite_forward`, `rewrite_cross` and
+`rewrite_nested`, under the rules of `safety`), with the vetoes found outside a class (`vetoes`) fed back in, and
+stage 5 ends by refusing what the causal LM never builds (`reachable`); 6. `propagate` copies every class that
+names a fused class (`runtime_base` adds the runtime base class; `scopes`, `mappings` and `imports` derive the
+file's tables and imports); 7. `render` fills the template with each class's text (`splice`); 8. `validate` runs
+the result against the original; 9. the CLI writes it (`writer`). Each stage is its own module and hands the next
+plain data; this one only calls them, and each module's docstring names its stage by these numbers.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from fusegen.compiler.analyse import analyse_classes
 from fusegen.compiler.imports import import_block
 from fusegen.compiler.instantiate import candidates, instantiate
 from fusegen.compiler.mappings import checkpoint_classes, stacked_mapping, tensor_parallel
-from fusegen.compiler.methods import CHECK, MIXIN, REGISTER, REGISTER_AUTO, TEMPLATE_NAMES, add_runtime_base
 from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes, merged_linears
 from fusegen.compiler.propagate import Emitted, classes_to_emit, fused_name, fused_names, rename_classes
 from fusegen.compiler.reachable import refuse_unreachable
 from fusegen.compiler.render import LINE_LENGTH, render
 from fusegen.compiler.resolve import Target, resolve
-from fusegen.compiler.scopes import parents
+from fusegen.compiler.runtime_base import CHECK, MIXIN, REGISTER, REGISTER_AUTO, TEMPLATE_NAMES, add_runtime_base
+from fusegen.compiler.scopes import checkpoint_scopes
 from fusegen.compiler.splice import class_text
 from fusegen.compiler.trace import record_inputs
 from fusegen.compiler.writer import source_fingerprint
@@ -70,14 +72,19 @@ class Emission:
     imports: list[str]
     """The file's import lines."""
     plans: list[FusionPlan]
-    """The plans that merge linears, in outcome order: the checkpoint mapping and the TP plan."""
-    parents: dict[str, list[str]]
-    """Checkpoint scopes of each merged linear (`fusegen.compiler.scopes.parents`)."""
+    """The plans that merge linears, in outcome order."""
+    scopes: dict[str, list[str]]
+    """Checkpoint scopes of each merged linear (`fusegen.compiler.scopes.checkpoint_scopes`); the runtime takes them
+    as `register_stacked_checkpoint(..., parents=)`."""
     checkpoint_classes: list[str]
+    stacked: dict[str, list[tuple]]
+    """The checkpoint mapping, `STACKED_PARAMS_MAPPING` (`fusegen.compiler.mappings.stacked_mapping`)."""
+    tensor_parallel: dict
+    """The TP plan's template data (`fusegen.compiler.mappings.tensor_parallel`)."""
 
 
 def analyse(name: str, refused: Vetoes | None = None) -> Analysis:
-    """Stages 1-6a: every candidate class's outcome, and the rewritten classes the causal LM builds.
+    """Stages 1-5: every candidate class's outcome, and the rewritten classes the causal LM builds.
 
     `refused`: `{class: {merged: Veto(rule, reason)}}`, fusions to refuse whatever the analysis finds
     (validation's verdicts).
@@ -118,19 +125,23 @@ def propagate(analysis: Analysis) -> Emission:
     imports = import_block(
         emitted, set(renames.values()) | TEMPLATE_NAMES, {REGISTER, REGISTER_AUTO}, {CHECK, MIXIN} | kind_names
     )
+    plans = merged_linears([plan for outcome in outcomes for plan in outcome.fused])
+    scopes = checkpoint_scopes(model, outcomes)
     return Emission(
         emitted,
         renames,
         imports,
-        merged_linears([plan for outcome in outcomes for plan in outcome.fused]),
-        parents(model, outcomes),
+        plans,
+        scopes,
         checkpoint_classes(model, target, renames),
+        stacked_mapping(plans),
+        tensor_parallel(model, plans, scopes),
     )
 
 
 def render_module(analysis: Analysis, emission: Emission) -> str:
     """Stage 7: the generated module's text, from the template."""
-    target, model, outcomes = analysis.target, analysis.model, analysis.outcomes
+    target, outcomes = analysis.target, analysis.outcomes
     renames, plans = emission.renames, emission.plans
     sources = [class_text(name, item.classdef, item.module) for name, item in emission.emitted.items()]
     return render(
@@ -149,14 +160,14 @@ def render_module(analysis: Analysis, emission: Emission) -> str:
         causal_lm=target.causal_lm.__name__,
         summary=_summary(target.causal_lm.__name__, outcomes),
         imports=emission.imports,
-        stacked_params_mapping=repr(stacked_mapping(plans)),
+        stacked_params_mapping=repr(emission.stacked),
         packed_modules_mapping=repr({plan.merged: list(plan.projections) for plan in plans}),
         classes=sources,
         checkpoint_classes=repr(emission.checkpoint_classes),
         fused_causal_lm=renames[target.causal_lm.__name__],
-        parents=repr(emission.parents),
+        scopes=repr(emission.scopes),
         exports=repr(sorted(renames.values())),
-        **tensor_parallel(model, plans, emission.parents),
+        **emission.tensor_parallel,
     )
 
 

@@ -1,4 +1,4 @@
-"""Stage 6e: the import block of a generated file: exactly the globals its classes use.
+"""Stage 6: the import block of a generated file: exactly the globals its classes use.
 
 Unchanged helpers are imported from the original modeling module rather than
 copied, so a generated file stays small and picks up upstream fixes. Every

@@ -1,4 +1,4 @@
-"""Stage 6d: the module-level tables of a generated file: the checkpoint mapping, its classes and the TP plan."""
+"""Stage 6: the module-level tables of a generated file: the checkpoint mapping, its classes and the TP plan."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str]
     return sorted(set(names)) or [renames[target.causal_lm.__name__]]
 
 
-def tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict) -> dict:
+def tensor_parallel(model: nn.Module, plans: list[FusionPlan], scopes: dict) -> dict:
     """Template data for tensor parallelism: the fused form of the config's `base_model_tp_plan` (or why there is
     none); see fusegen/runtime/tp.py. The kinds say which merged linears hold attention heads
     (`Kind.head_sharded`), except a merge that exists only in some configs (`FusionPlan.kept`, see
@@ -48,7 +48,7 @@ def tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict) ->
     heads = {plan.merged for plan in plans if head_sharded_everywhere(plan)}
     kept = {name for fusion in plans for name in fusion.kept}
     stacked = stacked_mapping(plans)
-    plan, reason = fused_plan_from(original, stacked, parents, heads=heads, kept=kept)
+    plan, reason = fused_plan_from(original, stacked, scopes, heads=heads, kept=kept)
     if not plan:
         return {"tp_plan": None, "tp_reason": reason, "tp_notes": []}
     return {"tp_plan": repr(plan), "tp_reason": None, "tp_notes": tp_notes(plan, stacked, kept)}

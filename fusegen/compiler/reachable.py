@@ -1,4 +1,5 @@
-"""Stage 6a: fusions in classes the causal LM never builds are refused (`unreachable`), so `report` shows them."""
+"""Stage 5, its last step (`build.analyse`): fusions in classes the causal LM never builds are refused (`unreachable`),
+so `report` shows them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stage 5a for one attention class serving self- and cross-attention: q/k/v in one GEMM when self-attending.
+"""Stage 5, for one attention class serving self- and cross-attention: q/k/v in one GEMM when self-attending.
 
 Whisper, the Bart family and BERT-style cross-attention build one class for both uses. q reads `hidden_states`;
 k and v read

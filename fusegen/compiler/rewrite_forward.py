@@ -1,4 +1,4 @@
-"""Stage 5a: rewrite `forward` to call the merged linear once and split it.
+"""Stage 5: rewrite `forward` to call the merged linear once and split it.
 
 `q = self.q_proj(x); k = self.k_proj(x); v = self.v_proj(x)` becomes
 

@@ -1,4 +1,4 @@
-"""Stage 5b: rewrite `__init__` to build one merged linear instead of the projections.
+"""Stage 5: rewrite `__init__` to build one merged linear instead of the projections.
 
 The merged constructor is assembled from the projections' own source
 expressions, so one generated class serves every config of the model:

@@ -1,4 +1,4 @@
-"""Stage 5d: merge projections whose constructors sit in different blocks, one nested in the other's `if`.
+"""Stage 5: merge projections whose constructors sit in different blocks, one nested in the other's `if`.
 
 Gemma 4 builds `q_proj` in every layer, but `k_proj` and `v_proj` only in layers that compute their own keys and
 values, and `v_proj` only without `attention_k_eq_v`:

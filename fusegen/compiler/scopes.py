@@ -1,4 +1,4 @@
-"""Stage 6c: checkpoint scopes read off the source: under which attributes each merged linear's holders are built.
+"""Stage 6: checkpoint scopes read off the source: under which attributes each merged linear's holders are built.
 
 The generated file registers them (`parents=`) so a checkpoint's `<parent>.<projection>` names feed each merged
 linear; the vetoes (`fusegen.compiler.vetoes.checkpoint_conflicts`) and the TP plan read them too.
@@ -16,7 +16,7 @@ from fusegen.compiler import astutil
 from fusegen.compiler.plan import ClassOutcome, Refused, merged_linears
 
 
-def parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[str]]:
+def checkpoint_scopes(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[str]]:
     """Checkpoint scopes: `<parent>.<projection>` names feed each merged linear, for every config of the model.
 
     Scoping by parent keeps a same-named projection of an unfused module

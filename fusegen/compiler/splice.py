@@ -1,4 +1,4 @@
-"""Stage 7 (start): a generated class is its original source text with the rewrite's edits spliced in.
+"""Stage 7, its first step: a generated class is its original source text with the rewrite's edits spliced in.
 
 The rewrite stages (rewrite_init, rewrite_forward, propagate, the added methods) work on a copy of the
 class's AST. This module compares that rewritten AST with the original class statement, statement by
@@ -89,9 +89,6 @@ class Source:
     def line_offset(self, lineno: int) -> int:
         """Offset of the start of line `lineno` (one past the last line gives the end of the text)."""
         return self.line_starts[lineno - 1]
-
-    def segment(self, node: ast.AST) -> str:
-        return self.text[self.offset(node.lineno, node.col_offset) : self.offset(node.end_lineno, node.end_col_offset)]
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,4 +1,5 @@
-"""Stage 5c: fusions to refuse for reasons outside their class (checkpoint names, outside references).
+"""Stage 5, across classes (`analyse.analyse_classes`): fusions to refuse for reasons outside their class
+(checkpoint names, outside references).
 
 `find_vetoes` runs after every class was analysed; the classes it names are analysed again with those fusions
 refused (`fusegen.compiler.analyse.analyse_classes`), until no new veto appears.
@@ -13,7 +14,7 @@ from torch import nn
 
 from fusegen.compiler import astutil
 from fusegen.compiler.plan import ClassOutcome, Refused, Veto, Vetoes, merged_linears
-from fusegen.compiler.scopes import parents as source_parents
+from fusegen.compiler.scopes import checkpoint_scopes
 
 
 def find_vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
@@ -66,7 +67,7 @@ def pieces_merged_apart(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoe
     fusions are refused, naming the tensors. (Refusing only one would leave that class's `q_proj` unfused at the
     same path, which `checkpoint_conflicts` refuses in the other.) Scopes that do not overlap keep them apart.
     """
-    parents = source_parents(model, outcomes)
+    parents = checkpoint_scopes(model, outcomes)
     first_path: dict[str, str] = {}
     for path, module in model.named_modules():
         first_path.setdefault(type(module).__name__, path)
@@ -173,7 +174,7 @@ def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> Veto
     fused attention in some layers and an unfused one in others; the
     checkpoint cannot say which tensors to merge, so such a fusion is refused.
 
-    With the parents read off the source (`fusegen.compiler.scopes.parents`), the scopes are every
+    With the parents read off the source (`fusegen.compiler.scopes.checkpoint_scopes`), the scopes are every
     attribute a holder is built under, so this sees at least the paths it saw
     before. What it guards is no longer a silent wrong load: `from_pretrained`
     falls back to a tensor's own name when the merged name is absent at that
@@ -185,7 +186,7 @@ def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> Veto
     config still loads exactly, but under tensor parallelism its pieces would
     match no rule (left replicated); that gap is not closed here.
     """
-    parents = source_parents(model, outcomes)
+    parents = checkpoint_scopes(model, outcomes)
     fused_classes = {o.class_name: o for o in outcomes if o.fused}
     merged_away = {name: _merged_away(outcome) for name, outcome in fused_classes.items()}
     conflicts: Vetoes = {}

@@ -265,7 +265,7 @@ def register_stacked_checkpoint(
     (e.g. `"FusedLlamaModel"`) is enough, see the module docstring. `stacked`: merged linear name -> ordered pieces,
     e.g. `{"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}`; the order must match the module's
     `output_sizes`. `parents`: merged linear name -> attribute names of the modules holding it (e.g. `["self_attn"]`),
-    under every config of the model (the compiler reads them off the source, `fusegen.compiler.scopes.parents`); a merged
+    under every config of the model (the compiler reads them off the source, `fusegen.compiler.scopes.checkpoint_scopes`); a merged
     name without an entry is matched by bare piece names. A holder under an attribute not listed is left unfilled,
     which the generated classes refuse (`fusegen.runtime.check_loading`) rather than initialise randomly.
 

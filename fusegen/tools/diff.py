@@ -9,7 +9,7 @@ renamed class names, and a comment moved above a statement it sat in when that s
 
 A class whose only change is the renamed class names (the decoder layer, the model and the causal LM of most files:
 they are copied only because they build a fused class) is listed by name instead of diffed; so is a pretrained base
-whose only other change is fusegen's runtime base class (`fusegen.compiler.methods.MIXIN`) put first.
+whose only other change is fusegen's runtime base class (`fusegen.compiler.runtime_base.MIXIN`) put first.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from fusegen.compiler.methods import MIXIN
 from fusegen.compiler.propagate import PREFIX
+from fusegen.compiler.runtime_base import MIXIN
 from fusegen.compiler.splice import original_text
 
 

@@ -1,4 +1,4 @@
-"""Stage 6b: what fusegen adds to the emitted classes, and the fusegen.runtime names they and the template use.
+"""Stage 6: the base class fusegen adds to the emitted classes, and the fusegen.runtime names they and the template use.
 
 It adds one base class: `fusegen.runtime.FusedPreTrainedMixin` becomes the first base of each pretrained base, so the
 methods fusegen adds live once in the runtime (fusegen/runtime/pretrained.py) instead of in every generated file.
