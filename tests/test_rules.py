@@ -4,8 +4,8 @@ import ast
 import re
 from pathlib import Path
 
-from fusegen.compiler.plan import ClassOutcome, Refusal
 from fusegen.compiler.rules import DOC, describe, registry
+from fusegen.core.plan import ClassOutcome, Refusal
 
 ROOT = Path(__file__).resolve().parent.parent
 RULE_ID = re.compile(r"[a-z]+(-[a-z]+)*")
@@ -41,7 +41,23 @@ def _bound(scopes: list[ast.AST], name: str) -> set[str]:
 
 
 def raised_rule_ids() -> dict[str, set[str]]:
-    """Every rule id a `Refused`, `Veto` or `Refusal` in fusegen/ is constructed with, by file."""
+    """Every rule id a `Refused`, `Veto` or `Refusal` in fusegen/ is constructed with, by file; a rule id handed in
+    as a parameter (`leaf.compare_exact(..., rule)`) is looked for at that parameter of every call of the function."""
+    found = _raised_rule_ids(passed := {})
+    for path in sorted((ROOT / "fusegen").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = getattr(node, "func", None) and (getattr(node.func, "id", None) or getattr(node.func, "attr", None))
+            if name not in passed:
+                continue
+            index, parameter = passed[name]
+            arguments = [*node.args[index : index + 1], *(k.value for k in node.keywords if k.arg == parameter)]
+            for rule_id in set().union(*map(_constants, arguments)):
+                found.setdefault(rule_id, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def _raised_rule_ids(passed: dict) -> dict[str, set[str]]:
+    """`raised_rule_ids` but for parameters, which it records in `passed`: `{function: (index, parameter)}`."""
     found: dict[str, set[str]] = {}
     for path in sorted((ROOT / "fusegen").rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -60,6 +76,9 @@ def raised_rule_ids() -> dict[str, set[str]]:
             ids = _constants(argument)
             if isinstance(argument, ast.Name):
                 scopes = [functions[id(node)]] if id(node) in functions else []
+                parameters = [a.arg for a in scopes[0].args.args] if scopes else []
+                if argument.id in parameters:
+                    passed[scopes[0].name] = (parameters.index(argument.id), argument.id)
                 ids |= _bound(
                     scopes + [ast.Module([s for s in tree.body if isinstance(s, ast.Assign)], [])], argument.id
                 )

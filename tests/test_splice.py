@@ -142,7 +142,7 @@ def test_an_added_leading_base_is_one_insertion_and_the_body_stays_byte_identica
 
 def test_a_statement_with_a_reason_gets_it_as_a_comment_on_the_line_above(module):
     """`astutil.with_reason`: an injected guard carries its reason into the file; the text still parses to the AST."""
-    from fusegen.compiler.astutil import with_reason
+    from fusegen.core.astutil import with_reason
 
     classdef = original(module)
     forward = classdef.body[-1]

@@ -28,7 +28,6 @@ from fusegen.compiler.analyse import analyse_classes
 from fusegen.compiler.imports import import_block
 from fusegen.compiler.instantiate import candidates, instantiate
 from fusegen.compiler.mappings import checkpoint_classes, stacked_mapping, tensor_parallel
-from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes, merged_linears
 from fusegen.compiler.propagate import Emitted, classes_to_emit, fused_name, fused_names, rename_classes
 from fusegen.compiler.reachable import refuse_unreachable
 from fusegen.compiler.render import LINE_LENGTH, render
@@ -38,6 +37,7 @@ from fusegen.compiler.scopes import checkpoint_scopes
 from fusegen.compiler.splice import class_text
 from fusegen.compiler.trace import record_inputs
 from fusegen.compiler.writer import source_fingerprint
+from fusegen.core.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes, merged_linears
 
 
 @dataclass
