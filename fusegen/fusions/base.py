@@ -9,6 +9,7 @@ from typing import ClassVar
 from torch import nn
 
 from fusegen.core.plan import FusionPlan, Refused
+from fusegen.core.rules import Rule
 from fusegen.core.traced import Trace
 
 
@@ -43,11 +44,9 @@ class Kind:
     """What a plan of this kind does to its class, in words for the generated file's docstring
     (`"forward computed by one torch.nn.functional.rms_norm call"`); None: "rewritten by the <name> kind". Kinds that
     merge linears are summed up by the merged linears they create, whatever this says."""
-    rules: ClassVar[dict[str, str]] = {}
-    """The rule ids this kind's own refusals carry, each with what it refuses in one line; the rule registry
-    (`fusegen.compiler.rules.registry`) adds them. Rules the merged-linear machinery raises are registered there."""
-    rules_section: ClassVar[str] = ""
-    """The title of the docs/analysis.md section that documents `rules` (a test checks each rule is in it)."""
+    rules: ClassVar[tuple[Rule, ...]] = ()
+    """The rules this kind's refusals carry (`fusegen.core.rules.Rule`: id, one line, the docs/analysis.md section);
+    the registry (`fusegen.compiler.rules.registry`) adds them, and a test checks each is raised and documented."""
     label: ClassVar[tuple[str, str] | None] = None
     """The coverage summary's words for the pieces and for what a model has (`("q/k/v", "a q/k/v triplet")`), or
     None: the summary then counts nothing for this kind (`fusegen.tools.coverage.kind_counts`)."""

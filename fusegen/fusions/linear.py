@@ -31,7 +31,7 @@ from fusegen.fusions.merged.rewrite_cross import LINEAR_PIECES, rewrite_self_or_
 from fusegen.fusions.merged.rewrite_forward import differently_spelled, projection_calls, rewrite_forward
 from fusegen.fusions.merged.rewrite_init import MERGED_LINEAR, check_no_other_uses, rewrite_init, same_block_groups
 from fusegen.fusions.merged.rewrite_nested import rewrite_forward_nested, rewrite_init_nested, spans_blocks
-from fusegen.fusions.merged.rules import RULE_IDS
+from fusegen.fusions.merged.rules import RULE_IDS, RULES
 from fusegen.runtime.linear import sizes_attribute
 
 SIBLINGS = "merged_column"
@@ -45,6 +45,7 @@ class LinearKind(Kind):
 
     runtime_names = frozenset({MERGED_LINEAR, LINEAR_PIECES})
     family = "merged-linear"
+    rules = RULES
 
     def match(self, trace: Trace, module: nn.Module) -> list[FusionPlan]:
         """The plans of every linear kind: the family's one search (`find_groups`)."""

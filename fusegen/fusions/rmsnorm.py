@@ -54,6 +54,7 @@ from torch import nn
 from fusegen import fusions
 from fusegen.core import astutil
 from fusegen.core.plan import FusionPlan, Refused
+from fusegen.core.rules import rules as section_rules
 from fusegen.core.traced import Trace
 from fusegen.fusions import leaf
 from fusegen.fusions.base import Kind
@@ -553,8 +554,7 @@ class RMSNormKind(Kind):
     name = KIND
     priority = 90
     summary = f"forward computed by one {KERNEL} call"
-    rules = RULES
-    rules_section = "RMS norms become one kernel call"
+    rules = section_rules("RMS norms become one kernel call", *RULES.items())
 
     def candidate(self, module: nn.Module) -> bool:
         """Leaf modules (no children) of a class defined outside torch, named as a norm or whose forward's source

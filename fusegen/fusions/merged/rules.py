@@ -6,6 +6,8 @@ their findings through `raise_first`, which raises the first one whose rule is n
 
 from __future__ import annotations
 
+from fusegen.core.rules import Rule, rules
+
 DISABLED: frozenset[str] = frozenset()
 """Rule ids switched off. Only the mutation tests set it, to show each rule is needed."""
 
@@ -16,10 +18,65 @@ def raise_first(findings) -> None:
             raise refusal
 
 
-RULE_IDS = (
-    "reflection", "input-rebound", "input-written", "aliased-augassign", "input-escapes", "deferred-capture",
-    "opaque-alias", "inplace-call", "inplace-operator", "dynamic-attribute", "unknown-callee", "impure-call",
-    "state-method-call", "state-source", "frame-access", "global-hook", "parametrized-projection", "linear-subclass",
-    "projection-hook", "dtype-mismatch", "device-mismatch",
-)  # fmt: skip
-"""Every rule id this module can refuse with (besides `input-not-simple`, which guards the input's spelling)."""
+PROJECTIONS = "Projections are what they look like"
+INPUT = "The input is stable between the projections"
+REWRITE = "The rewrite and the build"
+
+LIVE_AND_HOIST_RULES: tuple[Rule, ...] = (
+    *rules(
+        PROJECTIONS,
+        ("linear-subclass", "a piece is not exactly nn.Linear"),
+        ("projection-hook", "a piece has a hook or an instance-level forward"),
+        ("global-hook", "a global module hook is registered"),
+        ("parametrized-projection", "a piece's weight is computed by a parametrization"),
+        ("dtype-mismatch", "the pieces' weights and biases differ in dtype"),
+        ("device-mismatch", "the pieces' weights and biases differ in device"),
+    ),
+    *rules(
+        INPUT,
+        ("reflection", "forward uses eval, exec, locals, a frame attribute or another reflective name"),
+        ("input-rebound", "a name the input reads is bound between the projection calls"),
+        ("input-written", "an item or attribute of a possible alias of the input is stored or deleted"),
+        ("aliased-augassign", "an augmented assignment targets a possible alias of the input"),
+        (
+            "input-escapes",
+            "a possible alias is stored, or handed to a callee that may keep it, out of the analysis' sight",
+        ),
+        (
+            "deferred-capture",
+            "a lambda, nested function or generator that may run in the region reads a possible alias",
+        ),
+        ("opaque-alias", "forward reads an alias made by a call not known to return a tensor view"),
+        ("inplace-call", "a possible alias is written by an in-place method or function, out= or inplace="),
+        ("inplace-operator", "an in-place operator function or dunder is applied to a possible alias"),
+        ("dynamic-attribute", "setattr, delattr or a non-metadata getattr on a possible alias"),
+        ("unknown-callee", "a call reaching an alias has a callee that cannot be resolved statically"),
+        ("impure-call", "a possible alias is handed to a function or method not known to leave it intact"),
+        ("state-method-call", "the region calls a method of the module itself"),
+        ("state-source", "the input may be module state that the region may write"),
+        ("frame-access", "forward calls a module-level function that may reach the caller's frame"),
+    ),
+)
+"""The rules `raise_first` reports for the live checks (`live`) and the hoisting rules (`hoist`)."""
+
+RULES: tuple[Rule, ...] = (
+    *LIVE_AND_HOIST_RULES,
+    *rules(INPUT, ("input-not-simple", "the input expression computes something")),
+    *rules(
+        REWRITE,
+        ("not-called-once", "a projection is called more than once, or not at all"),
+        ("unusual-call", "a projection is called other than as self.p(x) or self.p(input=x)"),
+        ("escaping-reference", "a projection is used other than by its call, its constructor and existence guards"),
+        ("call-in-loop", "a projection is called in a loop, comprehension or nested scope"),
+        (
+            "different-inputs",
+            "the projections' inputs are spelled differently and nothing proves them the same tensor",
+        ),
+        ("unusual-init", "the projections are constructed in a shape the rewrite does not handle"),
+        ("constructor-inputs-change", "what a moved constructor reads may change between the constructors"),
+    ),
+)
+"""Every rule the merged-linear family refuses with: the kinds built on `LinearKind` declare them (`Kind.rules`)."""
+
+RULE_IDS = tuple(rule.id for rule in LIVE_AND_HOIST_RULES)
+"""Every rule id `raise_first` can refuse with (the live checks and the hoisting rules)."""
