@@ -32,7 +32,7 @@ from fusegen.fusions.merged.lookup import (
     is_pure_torch,
     is_torch_inplace,
     operator_module_function,
-    resolve,
+    resolve_dotted,
 )
 
 
@@ -187,7 +187,7 @@ def keeps_no_reference(call: ast.Call, tracked: set[str], module: nn.Module, nam
     if self_attr(func):
         return pure_module(getattr(module, func.attr, None))
     if namespace is not None and isinstance(func, (ast.Name, ast.Attribute)):
-        resolved = resolve(func, namespace)
+        resolved = resolve_dotted(func, namespace)
         if resolved is not UNRESOLVED:
             if resolved in (getattr, setattr, delattr) or operator_module_function(resolved) is not None:
                 return resolved is getattr

@@ -9,15 +9,6 @@ from __future__ import annotations
 from torch import fx, nn
 
 
-def plain_linears(module: nn.Module) -> dict[str, nn.Linear]:
-    """Direct children that are exactly `nn.Linear`.
-
-    Subclasses are left alone: a quantized or LoRA linear overrides `forward`,
-    so concatenating its weights would not reproduce it.
-    """
-    return {name: child for name, child in module.named_children() if type(child) is nn.Linear}
-
-
 def linear_children(module: nn.Module) -> dict[str, nn.Linear]:
     """Direct children that are `nn.Linear` or a subclass of it.
 

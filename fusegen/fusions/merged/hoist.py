@@ -79,7 +79,7 @@ from fusegen.fusions.merged.lookup import (
     is_functional,
     is_pure_torch,
     operator_module_function,
-    resolve,
+    resolve_dotted,
 )
 from fusegen.fusions.merged.rules import raise_first
 
@@ -415,7 +415,7 @@ def judge_call(
             )
         return None
     if isinstance(func, ast.Attribute):
-        resolved = resolve(func, namespace, local)
+        resolved = resolve_dotted(func, namespace, local)
         if resolved is UNRESOLVED:
             receiver = "alias" if may_alias(func.value, tracked, module) else None
             if receiver is None and dataflow.linear_output(func.value, module):
@@ -426,7 +426,7 @@ def judge_call(
         if may_alias(func, tracked, module):
             return Refused("unknown-callee", f"`{func.id}` may be bound to a method or closure of the input", call)
         if args_alias:
-            resolved = resolve(func, namespace, local)
+            resolved = resolve_dotted(func, namespace, local)
             if resolved is UNRESOLVED:
                 return Refused(
                     "unknown-callee", f"`{func.id}` is a local value, so what `{text}` does is unknown", call
@@ -624,7 +624,7 @@ def check_frame_access(funcdef: ast.FunctionDef, namespace: dict):
     for stmt in funcdef.body:
         for node in ast.walk(stmt):
             if isinstance(node, (ast.Name, ast.Attribute)) and _dotted(node):
-                function = resolve(node, namespace, local)
+                function = resolve_dotted(node, namespace, local)
                 if isinstance(function, types.FunctionType) and _reaches_frame(function, set()):
                     yield Refused("frame-access", f"`{ast.unparse(node)}` may read or write the caller's frame", node)
 

@@ -46,7 +46,7 @@ def is_pure_torch(function: object) -> bool:
 UNRESOLVED = object()
 
 
-def resolve(expr: ast.expr, namespace: dict, local: set[str] | frozenset = frozenset()) -> object:
+def resolve_dotted(expr: ast.expr, namespace: dict, local: set[str] | frozenset = frozenset()) -> object:
     """The object a dotted name (`torch.nn.functional.silu`) denotes in `namespace`.
 
     A name in `local` is bound by the function itself and so denotes
@@ -59,14 +59,8 @@ def resolve(expr: ast.expr, namespace: dict, local: set[str] | frozenset = froze
             return namespace[expr.id]
         return getattr(builtins, expr.id, UNRESOLVED)
     if isinstance(expr, ast.Attribute):
-        base = resolve(expr.value, namespace, local)
+        base = resolve_dotted(expr.value, namespace, local)
         if base is UNRESOLVED or not inspect.ismodule(base):
             return UNRESOLVED
         return getattr(base, expr.attr, UNRESOLVED)
     return UNRESOLVED
-
-
-def call_name(call: ast.Call) -> str:
-    if isinstance(call.func, ast.Attribute):
-        return call.func.attr
-    return call.func.id if isinstance(call.func, ast.Name) else ""

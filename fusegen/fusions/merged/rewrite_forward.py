@@ -86,7 +86,7 @@ def absent_linears_present(module: nn.Module, namespace: dict):
         nones = [side for side in (value.body, value.orelse) if isinstance(side, ast.Constant) and side.value is None]
         if len(built) != 1 or len(nones) != 1:
             continue
-        constructor = lookup.resolve(built[0].func, namespace)
+        constructor = lookup.resolve_dotted(built[0].func, namespace)
         if constructor is nn.Linear:
             stand_ins[name] = nn.Linear(1, 1, device="meta")
         elif isinstance(constructor, type) and issubclass(constructor, nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 
 from fusegen.core import astutil
 from fusegen.core.plan import FusionPlan, Refused
-from fusegen.fusions.merged.lookup import resolve
+from fusegen.fusions.merged.lookup import resolve_dotted
 from fusegen.runtime.linear import sizes_attribute
 
 MERGED_LINEAR = "MergedColumnLinear"
@@ -216,7 +216,7 @@ def _shared_block(funcdef: ast.FunctionDef, assigns: list[ast.Assign]) -> list[a
 
 def linear_arguments(assign: ast.Assign, call: ast.Call, namespace: dict) -> dict[str, ast.expr]:
     """in_features, out_features and bias of the `nn.Linear(...)` call `assign` makes, as expressions."""
-    if resolve(call.func, namespace) is not nn.Linear:
+    if resolve_dotted(call.func, namespace) is not nn.Linear:
         raise Refused("unusual-init", f"`{ast.unparse(call.func)}` is not torch.nn.Linear", assign)
     if any(isinstance(arg, ast.Starred) for arg in call.args) or any(kw.arg is None for kw in call.keywords):
         raise Refused("unusual-init", f"`{ast.unparse(call)}` unpacks its arguments", assign)
