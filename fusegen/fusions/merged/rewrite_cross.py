@@ -54,7 +54,12 @@ from torch import nn
 from fusegen.core import astutil
 from fusegen.core.plan import FusionPlan, Refused
 from fusegen.fusions.merged import hoist
-from fusegen.fusions.merged.rewrite_forward import detach_written_pieces, dominating_region, piece_temps
+from fusegen.fusions.merged.rewrite_forward import (
+    detach_written_pieces,
+    dominating_region,
+    piece_temps,
+    split_statement,
+)
 from fusegen.runtime.linear import sizes_attribute
 
 LINEAR_PIECES = "linear_pieces"
@@ -278,12 +283,8 @@ def _splice(funcdef, plan, calls, shared, own, switch, shared_site, own_site, mo
         rows = ", ".join(str(i) for i in indices) + ("," if len(indices) == 1 else "")
         return f"({targets}) = {LINEAR_PIECES}({merged}, {source}, {sizes}, ({rows}))"
 
-    shared_stmt = ast.parse(
-        f"if {switch} is None:\n"
-        f"    {', '.join(temps)} = {merged}({hidden}).split({sizes}, dim=-1)\n"
-        f"else:\n"
-        f"    {pieces(shared, hidden)}\n"
-    ).body[0]
+    shared_stmt = ast.parse(f"if {switch} is None:\n    pass\nelse:\n    {pieces(shared, hidden)}\n").body[0]
+    shared_stmt.body = [split_statement(plan, temps, ast.Name(hidden, ast.Load()))]
     own_stmt = ast.parse(f"if {switch} is not None:\n    {pieces(own, current)}\n").body[0]
     (block, position), (own_block, own_position) = shared_site, own_site
     own_block.insert(own_position, ast.fix_missing_locations(ast.copy_location(own_stmt, own_block[own_position])))

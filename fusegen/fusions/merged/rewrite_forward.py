@@ -200,6 +200,16 @@ def piece_temps(funcdef: ast.FunctionDef, plan: FusionPlan) -> list[str]:
     return temps
 
 
+def split_statement(plan: FusionPlan, temps: list[str], source: ast.expr) -> ast.Assign:
+    """`<temps> = self.<merged>(<source>).split(self.<merged>_sizes, dim=-1)`, `source` copied in: the one statement
+    every merged-linear rewrite computes the pieces with. Rows are in the plan's order, so `temps[i]` is projection
+    i's output; the sizes are the merged linear's own `output_sizes` (what TP and quantizers keep current)."""
+    merged, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
+    statement = ast.parse(f"{', '.join(temps)} = {merged}(__input__).split({sizes}, dim=-1)").body[0]
+    statement.value.func.value.args = [copy.deepcopy(source)]
+    return statement
+
+
 def _splice(
     funcdef: ast.FunctionDef,
     plan: FusionPlan,
@@ -210,10 +220,7 @@ def _splice(
     conditional: frozenset[str] = frozenset(),
 ):
     temps = piece_temps(funcdef, plan)
-    merged, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
-    statement = ast.parse(f"{', '.join(temps)} = {merged}(__input__).split({sizes}, dim=-1)").body[0]
-    placeholder = next(n for n in ast.walk(statement) if isinstance(n, ast.Name) and n.id == "__input__")
-    astutil.replace_node(statement, placeholder, calls[0].args[0])
+    statement = split_statement(plan, temps, calls[0].args[0])
     if conditional:
         statement = _guarded_split(plan, statement, calls, temps, conditional)
     block.insert(index, ast.copy_location(statement, block[index]))

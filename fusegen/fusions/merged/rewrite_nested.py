@@ -66,6 +66,7 @@ from fusegen.fusions.merged.rewrite_forward import (
     refuse_calls_in_loops,
     refuse_different_inputs,
     single_call,
+    split_statement,
 )
 from fusegen.fusions.merged.rewrite_init import (
     MERGED_LINEAR,
@@ -340,9 +341,7 @@ def rewrite_forward_nested(
     with absent_linears_present(module, namespace):
         hoist.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
     temps = piece_temps(funcdef, plan)
-    merged, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
-    split = ast.parse(f"{', '.join(temps)} = {merged}(__input__).split({sizes}, dim=-1)").body[0]
-    split.value.func.value.args = [copy.deepcopy(arg)]
+    merged, split = f"self.{plan.merged}", split_statement(plan, temps, arg)
     orelse = []
     for name, call, temp in zip(plan.projections, calls, temps):
         if name in built.outer:
