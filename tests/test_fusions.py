@@ -15,7 +15,7 @@ from fusegen import fusions
 from fusegen.compiler.build import analyse, build
 from fusegen.compiler.mappings import fused_plan_from, tensor_parallel
 from fusegen.core import astutil
-from fusegen.core.plan import FusionPlan, Refused
+from fusegen.core.plan import FusionPlan, Refusal, Refused
 from fusegen.fusions.base import Kind
 from fusegen.fusions.linear import LinearKind
 from fusegen.runtime.tp import LOCAL_HEADS, MERGED_COLWISE
@@ -137,6 +137,22 @@ def test_a_refusing_kind_leaves_its_class_unfused_with_the_rule(toy_kind, monkey
     assert scale.fused == []
     assert [(r.projections, r.rule, r.reason) for r in scale.refused] == [
         (("forward",), "toy-rule", "the toy kind declines")
+    ]
+
+
+def test_a_kind_may_answer_match_with_a_refusal_which_is_reported_in_its_place(toy_kind, monkeypatch):
+    """`Kind.match` returns what it recognised but declines as a `Refusal`: no plan, no check, the rule reported."""
+    checked = []
+    monkeypatch.setattr(SwappedProduct, "check", lambda self, module, plan: checked.append(plan))
+    monkeypatch.setattr(
+        SwappedProduct,
+        "match",
+        lambda self, trace, module: [Refusal(("forward",), "toy-rule", "declined at match", 3)],
+    )
+    (scale,) = [o for o in analyse(toy_kind).outcomes if o.class_name == "ToyScale"]
+    assert scale.fused == [] and checked == []
+    assert [(r.projections, r.rule, r.reason, r.line) for r in scale.refused] == [
+        (("forward",), "toy-rule", "declined at match", 3)
     ]
 
 

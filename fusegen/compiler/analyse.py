@@ -21,7 +21,7 @@ from fusegen.compiler.match import find_plans
 from fusegen.compiler.trace import Recorded, trace_module
 from fusegen.compiler.vetoes import find_vetoes
 from fusegen.core import astutil
-from fusegen.core.plan import ClassOutcome, Refusal, Refused, Veto, Vetoes
+from fusegen.core.plan import ClassOutcome, FusionPlan, Refusal, Refused, Veto, Vetoes
 
 
 def analyse_classes(
@@ -81,13 +81,16 @@ def analyse_class(
     try:
         classdef = _fusable_source(cls)
     except Refused as refusal:
-        outcome.refused = [Refusal(plan.subject, refusal.rule, refusal.reason, refusal.line) for plan in plans]
+        outcome.refused = [Refusal(_subject(plan), refusal.rule, refusal.reason, refusal.line) for plan in plans]
         return outcome, None
     taken = {name: None for name, _ in instance.named_children()}
     taken.update({node.attr: node for node in ast.walk(classdef) if astutil.self_attr(node)})
     queue = list(plans)
     while queue:
         plan = queue.pop(0)
+        if isinstance(plan, Refusal):  # refused while matching (`Kind.match`): recorded in its place in the order
+            outcome.refused.append(plan)
+            continue
         kind = fusions.kind(plan.kind)
         candidate = copy.deepcopy(classdef)
         try:
@@ -113,6 +116,11 @@ def analyse_class(
         taken.update(dict.fromkeys(kind.new_names(plan)))
         outcome.fused.append(applied)
     return outcome, (classdef if outcome.fused else None)
+
+
+def _subject(found: FusionPlan | Refusal) -> tuple[str, ...]:
+    """What a refusal of a plan or of a match-time refusal names."""
+    return found.projections if isinstance(found, Refusal) else found.subject
 
 
 def _fusable_source(cls: type) -> ast.ClassDef:

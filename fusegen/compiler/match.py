@@ -13,13 +13,14 @@ from __future__ import annotations
 from torch import nn
 
 from fusegen import fusions
-from fusegen.core.plan import FusionPlan
+from fusegen.core.plan import FusionPlan, Refusal
 from fusegen.core.traced import Trace
 
 
-def find_plans(trace: Trace, module: nn.Module) -> list[FusionPlan]:
-    """Every plan of every kind for the traced `module`, kinds in priority order, each family asked once."""
-    plans: list[FusionPlan] = []
+def find_plans(trace: Trace, module: nn.Module) -> list[FusionPlan | Refusal]:
+    """Every plan of every kind for the traced `module`, kinds in priority order, each family asked once; a kind may
+    answer with a `Refusal` instead of a plan (what it found and why it declines), recorded as is."""
+    plans: list[FusionPlan | Refusal] = []
     asked: set[str] = set()
     for kind in fusions.kinds():
         if kind.family is not None:

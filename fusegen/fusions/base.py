@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from fusegen.core.plan import FusionPlan, Refused
+from fusegen.core.plan import FusionPlan, Refusal, Refused
 from fusegen.core.rules import Rule
 from fusegen.core.traced import Trace
 
@@ -58,9 +58,10 @@ class Kind:
         """
         return False
 
-    def match(self, trace: Trace, module: nn.Module) -> list[FusionPlan]:
+    def match(self, trace: Trace, module: nn.Module) -> list[FusionPlan | Refusal]:
         """The plans this kind finds in one traced instance (stage 4); for a kind of a `family`, the plans of every
-        kind of the family."""
+        kind of the family. A `Refusal` in the list records something the kind recognised but declines (a norm whose
+        forward it cannot derive): the analysis reports it with its rule, in its place among the plans."""
         return []
 
     def check(self, module: nn.Module, plan: FusionPlan) -> None:

@@ -53,7 +53,7 @@ from torch import nn
 
 from fusegen import fusions
 from fusegen.core import astutil
-from fusegen.core.plan import FusionPlan, Refused
+from fusegen.core.plan import FusionPlan, Refusal, Refused
 from fusegen.core.rules import rules as section_rules
 from fusegen.core.traced import Trace
 from fusegen.fusions import leaf
@@ -302,10 +302,7 @@ def _is_constant(node, value) -> bool:
 @dataclass(frozen=True)
 class NormPlan(FusionPlan):
     """An RMS norm class whose forward becomes one kernel call (`merged` is "forward", what the rewrite replaces).
-
-    A plan with a `refusal` stands for a norm class the derivation refused: `RMSNormKind.check` raises it, so the
-    report lists the class with its rule instead of leaving it out.
-    """
+    A norm class the derivation refuses gets no plan: `RMSNormKind.match` returns the refusal itself."""
 
     class_name: str = ""
     input_name: str = ""
@@ -316,8 +313,6 @@ class NormPlan(FusionPlan):
     """The original forward as a term (see `derive`)."""
     style: str = ""
     """`cast-then-weight` (Llama), `weight-then-cast` (OLMo 2, Gemma), `no-cast`: where N is cast back, if at all."""
-    refusal: tuple[str, str, int | None] | None = None
-    """(rule, reason, line) of the derivation's refusal, if it refused."""
 
     def describe(self) -> str:
         return f"forward -> {KERNEL} ({self.kind}, {self.style}, eps=self.{self.eps})"
@@ -570,28 +565,17 @@ class RMSNormKind(Kind):
             return False
         return reported(cls) or "rsqrt" in _forward_source(cls)
 
-    def match(self, trace: Trace, module: nn.Module) -> list[FusionPlan]:
-        """The derived plan; for a class named as a norm that the derivation refuses, a plan carrying the refusal
-        (`check` raises it, so the report names the class and the rule); nothing for any other leaf class."""
+    def match(self, trace: Trace, module: nn.Module) -> list[FusionPlan | Refusal]:
+        """The derived plan; for a class named as a norm that the derivation refuses, the refusal (so the report
+        names the class and the rule); nothing for any other leaf class."""
         cls = type(module)
         try:
             return [derive(cls, module)]
         except Refused as refusal:
-            if not reported(cls):
-                return []
-            return [
-                NormPlan(
-                    KIND, "forward", class_name=cls.__name__, refusal=(refusal.rule, refusal.reason, refusal.line)
-                )
-            ]
+            return [Refusal(("forward",), refusal.rule, refusal.reason, refusal.line)] if reported(cls) else []
 
     def check(self, module: nn.Module, plan: FusionPlan) -> None:
-        """The derivation's refusal, if any; then `norm-subclassed`; then validation by execution (`check_exact`)."""
-        if plan.refusal is not None:
-            rule, reason, line = plan.refusal
-            error = Refused(rule, reason)
-            error.line = line
-            raise error
+        """`norm-subclassed`; then validation by execution (`check_exact`)."""
         cls = type(module)
         heirs = sorted(c.__name__ for c in _subclasses(cls) if c.__module__ == cls.__module__)
         if heirs:
