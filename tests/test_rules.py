@@ -166,3 +166,18 @@ def test_report_explains_each_rule_that_fired_from_the_registry():
     assert refusal["rule_doc"] == describe("input-rebound").doc
     assert refusal["rule_section"] == describe("input-rebound").section
     assert describe("a-rule-of-someone-elses").doc == "(not a registered rule)"
+
+
+def test_coverage_publishes_only_registered_rule_ids():
+    import pytest
+
+    from fusegen.tools import coverage
+
+    def row(rule):
+        refused = [{"projections": ["q_proj", "k_proj"], "rule": rule, "reason": "why", "line": None}]
+        classes = [{"class": "ToyAttention", "fused": [], "refused": refused, "trace_stopped": None}]
+        return coverage.Row("toy", "nothing", {"classes": classes}, "", coverage.Inspection(), None)
+
+    coverage.check_rules_registered([row("input-rebound")])
+    with pytest.raises(ValueError, match=r"a-rule-nobody-registered \(toy, ToyAttention\)"):
+        coverage.render_markdown([row("input-rebound"), row("a-rule-nobody-registered")])

@@ -23,7 +23,7 @@ from fusegen.tools.coverage.analysis import (
     summary_counts,
     trace_stops,
 )
-from fusegen.tools.coverage.markdown import part_cell, render_markdown
+from fusegen.tools.coverage.markdown import check_rules_registered, part_cell, render_markdown
 from fusegen.tools.coverage.original import inspect_original
 from fusegen.tools.coverage.rows import Inspection, Row, Verification
 from fusegen.tools.coverage.run import collect, main
@@ -46,6 +46,7 @@ __all__ = [
     "Inspection",
     "Row",
     "Verification",
+    "check_rules_registered",
     "collect",
     "compare_greedy",
     "config_variants",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fusegen.compiler.rules import registry
 from fusegen.testkit import (  # the one kit (fusegen/testkit.py)
     TOLERANCE,
 )
@@ -65,11 +66,32 @@ def _configs_cell(row: Row) -> str:
     return text
 
 
+def check_rules_registered(rows: list[Row]) -> None:
+    """Raise `ValueError` naming each rule id of `rows`' refusals that the rule registry does not know."""
+    known = registry()
+    unknown = sorted(
+        {
+            f"{refusal['rule']} ({row.model_type}, {outcome['class']})"
+            for row in rows
+            for outcome in row.report.get("classes", [])
+            for refusal in outcome["refused"]
+            if refusal["rule"] not in known
+        }
+    )
+    if unknown:
+        raise ValueError(f"refusals with rule ids not in fusegen.compiler.rules: {', '.join(unknown)}")
+
+
 def render_markdown(rows: list[Row]) -> str:
-    """The whole document; nothing in it depends on the run (no timings), so a rerun only diffs on real changes."""
+    """The whole document; nothing in it depends on the run (no timings), so a rerun only diffs on real changes.
+
+    Every rule id it names must be in the rule registry (`fusegen.compiler.rules`), which documents each one in
+    docs/analysis.md; an unregistered id is a bug, raised here rather than published."""
     import transformers
 
     import fusegen
+
+    check_rules_registered(rows)
 
     lines = [
         "# Coverage: every causal LM of the installed Transformers",
