@@ -59,14 +59,14 @@ def test_an_entry_the_model_never_builds_refuses_to_be_built_and_says_why(tmp_pa
     # GPTNeoFlashAttention2 inherits q/k/v from the fused class but was never analysed nor validated: selecting it
     # (flash attention, on a GPU) raises a ValueError naming it, never a bare KeyError or a silent unfused copy.
     from fusegen.compiler.resolve import resolve
-    from fusegen.compiler.shrink import tiny_config
+    from fusegen.compiler.shrink import shrunk_config
 
     text = build("gpt_neo").text
     table = text.split("FUSED_GPT_NEO_ATTENTION_CLASSES = ")[1].split("}")[0]
     assert '"flash_attention_2": GPTNeoFlashAttention2NotFused' in table
     assert '"eager": FusedGPTNeoSelfAttention' in table
     module = import_text(tmp_path, monkeypatch, "gpt_neo", text)
-    config = tiny_config(resolve("gpt_neo").config_class)
+    config = shrunk_config(resolve("gpt_neo").config_class)
     module.FusedGPTNeoForCausalLM(config)  # eager: builds
     # What from_pretrained sets where flash-attn is installed (here Transformers would refuse it before building).
     config._attn_implementation_internal = "flash_attention_2"
@@ -136,7 +136,7 @@ def test_a_text_model_of_any_type_is_built_through_a_dispatch_on_its_config_type
     from transformers import LlamaConfig, LlamaModel, Qwen2Config
 
     from fusegen.compiler.resolve import resolve
-    from fusegen.compiler.shrink import tiny_config
+    from fusegen.compiler.shrink import shrunk_config
 
     result = build("got_ocr2")
     assert not [r for o in result.outcomes for r in o.refused if r.rule == "unreachable"]
@@ -145,10 +145,10 @@ def test_a_text_model_of_any_type_is_built_through_a_dispatch_on_its_config_type
     verification = verify("got_ocr2", result.text)
     assert verification["status"] == "verified", verification
     module = import_text(tmp_path, monkeypatch, "got_ocr2", result.text)
-    config = tiny_config(resolve("got_ocr2").config_class)
+    config = shrunk_config(resolve("got_ocr2").config_class)
     assert isinstance(config.text_config, Qwen2Config)
     assert type(module.FusedGotOcr2Model(config).language_model) is module.FusedQwen2Model
-    config.text_config = tiny_config(LlamaConfig)
+    config.text_config = shrunk_config(LlamaConfig)
     assert type(module.FusedGotOcr2Model(config).language_model) is LlamaModel
 
 

@@ -31,8 +31,7 @@ from transformers import (
 
 from fusegen.compiler.build import build
 from fusegen.runtime import CheckpointError, MergedColumnLinear, load_checkpoint, save_checkpoint
-from fusegen.testkit import GRAD_TOLERANCE, SMALL_MLA, TOLERANCE, import_file, random_model
-from fusegen.testkit import small_config as tiny_config
+from fusegen.testkit import GRAD_TOLERANCE, SMALL_MLA, TOLERANCE, import_file, random_model, small_config
 from generated import fused_deepseek_v3
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -151,7 +150,7 @@ DEEPSEEK = {
 def test_mla_matches_the_original_for_both_q_lora_ranks(built, tmp_path, model_type, q_lora_rank, dense_layers):
     config_class, original_class = DEEPSEEK[model_type]
     module = built[model_type]
-    config = tiny_config(config_class, **MLA, q_lora_rank=q_lora_rank, first_k_dense_replace=dense_layers)
+    config = small_config(config_class, **MLA, q_lora_rank=q_lora_rank, first_k_dense_replace=dense_layers)
     fused_class = getattr(module, "Fused" + original_class.__name__)
     _, fused = round_trip(original_class, fused_class, config, tmp_path, module.STACKED_PARAMS_MAPPING)
     attention = fused.model.layers[0].self_attn
@@ -197,7 +196,7 @@ def test_mla_generated_class_keeps_both_branches():
 
 def test_mla_without_q_lora_rank_still_demands_its_own_tensors(built, tmp_path):
     """The q_lora_rank=None config demands no fused_qkv_a_proj, but a missing kv_a_proj_with_mqa still raises."""
-    config = tiny_config(DeepseekV3Config, **MLA, q_lora_rank=None, first_k_dense_replace=1)
+    config = small_config(DeepseekV3Config, **MLA, q_lora_rank=None, first_k_dense_replace=1)
     original = random_model(DeepseekV3ForCausalLM, config)
     original.save_pretrained(tmp_path / "original")
     tensors = load_file(tmp_path / "original" / "model.safetensors")

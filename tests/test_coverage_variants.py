@@ -122,13 +122,13 @@ def test_variants_of_a_config_that_does_not_shrink_to_itself_keep_its_derived_fi
     # Zamba derives attention_hidden_size = 2 * hidden_size; shrinking the tiny config again caps it, and the
     # original could no longer run. Its variants replace the one field instead.
     from fusegen.compiler.resolve import resolve
-    from fusegen.compiler.shrink import tiny_config
+    from fusegen.compiler.shrink import shrunk_config
     from fusegen.compiler.validate import _reshrinks_to_itself, construction_variants
 
     target = resolve("zamba")
-    config = tiny_config(target.config_class)
+    config = shrunk_config(target.config_class)
     assert not _reshrinks_to_itself(target, config)
     variants = dict(construction_variants(target, config, limit=None, max_probes=None, every_field=True))
     assert "num_key_value_heads=1" in variants
     assert all(v.attention_hidden_size == config.attention_hidden_size for v in variants.values())
-    assert _reshrinks_to_itself(resolve("llama"), tiny_config(resolve("llama").config_class))
+    assert _reshrinks_to_itself(resolve("llama"), shrunk_config(resolve("llama").config_class))

@@ -301,12 +301,12 @@ def test_gemma4_variants_cover_kv_sharing_k_eq_v_and_double_wide_mlp():
     still include attention_k_eq_v, kv sharing (which needs more layers than the tiny config has) and the
     double-wide MLP (which changes only kv-shared layers), each building what it names."""
     from fusegen.compiler.resolve import resolve
-    from fusegen.compiler.shrink import tiny_config
+    from fusegen.compiler.shrink import shrunk_config
     from fusegen.compiler.validate import construction_variants
     from fusegen.testkit import model_config
 
     target = resolve("gemma4_text")
-    config = model_config(target, tiny_config(target.config_class))
+    config = model_config(target, shrunk_config(target.config_class))
     config.architectures = ["Gemma4ForCausalLM"]
     found = dict(construction_variants(target, config, limit=None, max_probes=None, every_field=True))
     assert found["attention_k_eq_v=True"].attention_k_eq_v
@@ -321,12 +321,12 @@ def test_composite_gemma4_variants_reach_its_text_config():
     """The multimodal gemma4 config's attention lives in its text_config: the exhaustive search probes that
     sub-config's fields too (the build's capped search does not)."""
     from fusegen.compiler.resolve import resolve
-    from fusegen.compiler.shrink import tiny_config
+    from fusegen.compiler.shrink import shrunk_config
     from fusegen.compiler.validate import construction_variants
     from fusegen.testkit import model_config
 
     target = resolve("gemma4")
-    config = model_config(target, tiny_config(target.config_class))
+    config = model_config(target, shrunk_config(target.config_class))
     found = dict(construction_variants(target, config, limit=None, max_probes=None, every_field=True))
     assert found["text_config.attention_k_eq_v=True"].text_config.attention_k_eq_v
     shared = found["text_config.num_kv_shared_layers=1 (4 layers)"].text_config
@@ -354,11 +354,11 @@ def test_gemma3n_matches_with_a_kv_shared_layer(gemma3n, tmp_path, bias):
     from transformers import Gemma3nForCausalLM
 
     from fusegen.compiler.resolve import resolve
-    from fusegen.compiler.shrink import tiny_config
+    from fusegen.compiler.shrink import shrunk_config
     from fusegen.testkit import model_config
 
     target = resolve("gemma3n_text")
-    config = model_config(target, tiny_config(target.config_class, attention_bias=bias))
+    config = model_config(target, shrunk_config(target.config_class, attention_bias=bias))
     fused_class = gemma3n.FusedGemma3nForCausalLM
     _, fused = round_trip(Gemma3nForCausalLM, fused_class, config, tmp_path, gemma3n.STACKED_PARAMS_MAPPING)
     layers = [layer.self_attn for layer in fused.model.layers]

@@ -393,12 +393,11 @@ def test_generated_fused_norms_change_no_bit_of_the_model(model_type, dtype):
     import transformers
 
     from fusegen.compiler.validate import map_state
-    from fusegen.testkit import random_model
-    from fusegen.testkit import small_config as tiny_config
+    from fusegen.testkit import random_model, small_config
 
     module_name, config_name, causal_lm, norm_name, overrides = GENERATED[model_type]
     fused_module = importlib.import_module(module_name)
-    config = tiny_config(getattr(transformers, config_name), num_key_value_heads=2, **overrides)
+    config = small_config(getattr(transformers, config_name), num_key_value_heads=2, **overrides)
     original = random_model(getattr(transformers, causal_lm), config)
     fused = getattr(fused_module, f"Fused{causal_lm}")(config)
     fused.load_state_dict(map_state(original, fused, fused_module.STACKED_PARAMS_MAPPING))
@@ -439,11 +438,10 @@ def test_generated_llama_equals_the_original_bitwise_in_float32():
     import transformers
 
     from fusegen.compiler.validate import map_state
-    from fusegen.testkit import random_model
-    from fusegen.testkit import small_config as tiny_config
+    from fusegen.testkit import random_model, small_config
     from generated.fused_llama import STACKED_PARAMS_MAPPING, FusedLlamaForCausalLM
 
-    config = tiny_config(transformers.LlamaConfig, num_key_value_heads=2)
+    config = small_config(transformers.LlamaConfig, num_key_value_heads=2)
     original = random_model(transformers.LlamaForCausalLM, config)
     fused = FusedLlamaForCausalLM(config)
     fused.load_state_dict(map_state(original, fused, STACKED_PARAMS_MAPPING))

@@ -263,7 +263,7 @@ def test_a_merged_parameter_tied_to_a_filled_one_counts_as_filled():
 def test_zamba_shared_transformer_loads_through_its_tied_merged_weights(tmp_path):
     """End to end: the tiny Zamba saved by the original class loads into the fused class, ties and all."""
     from fusegen.compiler.resolve import resolve
-    from fusegen.compiler.shrink import tiny_config as shrunk
+    from fusegen.compiler.shrink import shrunk_config as shrunk
 
     (tmp_path / "fused_zamba.py").write_text(build("zamba").text)
     module = import_file(tmp_path / "fused_zamba.py", "strict_loading_fused_zamba")

@@ -17,7 +17,7 @@ import inspect
 
 import torch
 
-from fusegen.compiler.shrink import tiny_config as shrunk
+from fusegen.compiler.shrink import shrunk_config as shrunk
 
 SEED = 0
 

@@ -44,7 +44,7 @@ class ShrinkError(ValueError):
 # --- entry point -----------------------------------------------------------------------------------------------------
 
 
-def tiny_config(config_or_class, **overrides):
+def shrunk_config(config_or_class, **overrides):
     """A tiny config of the same class: hidden ~64, 2 layers, 4 heads, vocab 256, 4 experts.
 
     Accepts a config class or an instance (its non-default values are shrunk too). `overrides` are applied last, as

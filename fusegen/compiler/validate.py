@@ -35,7 +35,7 @@ from torch import nn
 
 from fusegen.compiler.inputs import model_config, random_input, random_model
 from fusegen.compiler.propagate import PREFIX
-from fusegen.compiler.shrink import ShrinkError, rule_for, tiny_config
+from fusegen.compiler.shrink import ShrinkError, rule_for, shrunk_config
 from fusegen.errors import first_line as _first_line
 from fusegen.errors import short_error as _short
 
@@ -145,7 +145,7 @@ def _validate_into(validation: Validation, target, text: str, tiny_steps: tuple[
         if fused_class is None or mapping is None:
             raise _Mismatch("the generated module lacks its causal LM or its STACKED_PARAMS_MAPPING")
         try:
-            config = model_config(target, tiny_config(target.config_class))
+            config = model_config(target, shrunk_config(target.config_class))
         except ShrinkError as error:
             validation.checks.append(Check("tiny", "skipped", f"no tiny config: {_first_line(error)}"))
             return
@@ -494,7 +494,7 @@ def construction_variants(
         probes += 1
         try:
             if reshrinks:
-                variant = model_config(target, tiny_config(config, **{name: value}))
+                variant = model_config(target, shrunk_config(config, **{name: value}))
             else:
                 variant = dataclasses.replace(config, **{name: value})
             if getattr(variant, name, value) != value and not isinstance(value, list):
@@ -541,12 +541,12 @@ def dependent_variants(target, config, read, reshrinks: bool, sub_configs: bool 
         return []
 
     found = _dependent_on(
-        target, config, config, read, lambda changes: model_config(target, tiny_config(config, **changes))
+        target, config, config, read, lambda changes: model_config(target, shrunk_config(config, **changes))
     )
     for part, sub in _sub_configs(config) if sub_configs else []:
 
         def make(changes, part=part, sub=sub):
-            return model_config(target, tiny_config(config, **{part: tiny_config(sub, **changes)}))
+            return model_config(target, shrunk_config(config, **{part: shrunk_config(sub, **changes)}))
 
         singles = [(f"{n}={_short_value(v)}", {n: v}) for n, v in candidate_changes(sub) if n in read]
         for label, changes in singles:
@@ -659,7 +659,7 @@ def _reshrinks_to_itself(target, config) -> bool:
     """
 
     try:
-        return _construction_dict(model_config(target, tiny_config(config))) == _construction_dict(config)
+        return _construction_dict(model_config(target, shrunk_config(config))) == _construction_dict(config)
     except Exception:  # noqa: BLE001 - a config that does not shrink again
         return False
 

@@ -18,11 +18,11 @@ def inspect_original(model_type: str) -> dict:
     cannot be built from it, the tiny config stands in.
     """
     from fusegen.compiler.resolve import resolve
-    from fusegen.compiler.shrink import tiny_config
+    from fusegen.compiler.shrink import shrunk_config
 
     target = resolve(model_type)
     model, error = None, None
-    for make_config in (target.config_class, lambda: tiny_config(target.config_class)):
+    for make_config in (target.config_class, lambda: shrunk_config(target.config_class)):
         try:
             model = _build_on_meta(target, model_config(target, make_config()))
             break

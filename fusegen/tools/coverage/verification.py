@@ -56,7 +56,7 @@ def verify(model_type: str, text: str, variants: int | None = None) -> dict:
 
 def _verify_in(tmp: Path, model_type: str, text: str, torch, variants: int | None = None) -> Verification:
     from fusegen.compiler.resolve import resolve
-    from fusegen.compiler.shrink import ShrinkError, tiny_config
+    from fusegen.compiler.shrink import ShrinkError, shrunk_config
 
     target = resolve(model_type)
     try:
@@ -64,7 +64,7 @@ def _verify_in(tmp: Path, model_type: str, text: str, torch, variants: int | Non
     except Exception as error:  # noqa: BLE001
         return Verification("failed", reason=f"generated module: {_short(error)}")
     try:
-        config = model_config(target, tiny_config(target.config_class))
+        config = model_config(target, shrunk_config(target.config_class))
     except ShrinkError as error:
         return Verification("skipped", reason=f"no tiny config: {_first_line(error)}")
     tiny = _verify_config(tmp / "tiny", "tiny", target, fused_class, config, torch)
