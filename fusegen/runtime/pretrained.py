@@ -206,10 +206,15 @@ class FusedPreTrainedMixin:
 
     @classmethod
     def _finalize_model_loading(cls, model, load_config, loading_info):
-        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
+        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading);
+        under tensor parallelism, give merged parameters read whole their honest placement (`tp.describe_loaded`)."""
         from .strict import check_loading
 
         check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+        if any(getattr(module, "tp_partition", None) is not None for module in model.modules()):
+            from .tp.styles import describe_loaded
+
+            describe_loaded(model)  # merged parameters read whole (replicated kv heads) get their true placement
         return super()._finalize_model_loading(model, load_config, loading_info)
 
     @classmethod
