@@ -329,7 +329,7 @@ def packed_layers(model: nn.Module, adapter: str) -> dict[str, Packing]:
 def _draws_discarded():
     """A context in which random draws leave the default device's generator (and the CPU's) as they were."""
     device = torch.get_default_device()
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):  # meta draws nothing
         return torch.random.fork_rng(devices=[])
     return torch.random.fork_rng(device_type=device.type)
 
