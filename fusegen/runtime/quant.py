@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .layout import require_contiguous
 from .linear import absent_bias_pieces
 
 _REGISTERED = False
@@ -199,6 +200,8 @@ def check_quantization(model: nn.Module) -> None:
     merged = _merged_linears(model)
     if not merged:
         return
+    for path, module in merged.items():
+        require_contiguous(module, f"{path}: quantization")
     without_bias = [path for path, module in merged.items() if absent_bias_pieces(module)]
     if without_bias:
         raise _refuse(
