@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fusegen.core.rules import DOC, Rule, rules
 
-__all__ = ["COMPILER_RULES", "DOC", "Rule", "describe", "registry"]
+__all__ = ["COMPILER_RULES", "DOC", "Rule", "declared", "describe", "registry"]
 
 REWRITE = "The rewrite and the build"
 
@@ -42,6 +42,24 @@ def registry() -> dict[str, Rule]:
         for rule in kind.rules:
             if found.setdefault(rule.id, rule) != rule:
                 raise ValueError(f"rule {rule.id!r} of kind {kind.name!r} clashes with {found[rule.id]}")
+    return found
+
+
+def declared() -> dict[str, Rule]:
+    """`registry()` plus the rules of the kinds written but not registered (`fusegen.fusions.silu`,
+    `fusegen.fusions.packed_qkv`): every rule any fusegen code can refuse with, for the test against the docs."""
+    from fusegen.fusions.base import Kind
+
+    found = registry()
+    pending = list(Kind.__subclasses__())
+    while pending:
+        kind = pending.pop()
+        pending.extend(kind.__subclasses__())
+        if not kind.__module__.startswith("fusegen."):
+            continue
+        for rule in kind.rules:
+            if found.setdefault(rule.id, rule) != rule:
+                raise ValueError(f"rule {rule.id!r} of {kind.__name__} clashes with {found[rule.id]}")
     return found
 
 

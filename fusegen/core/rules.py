@@ -13,6 +13,9 @@ from dataclasses import dataclass
 DOC = "docs/analysis.md"
 """Where every rule is documented, each in its `Rule.section`."""
 
+SKELETONS = "Kinds written but not registered"
+"""The doc section of the rules of kinds that exist as skeletons (not registered, so never in a build)."""
+
 
 @dataclass(frozen=True)
 class Rule:

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from fusegen.core.plan import FusionPlan, Refused
+from fusegen.core.rules import SKELETONS
+from fusegen.core.rules import rules as section_rules
 from fusegen.core.traced import Trace
 from fusegen.fusions.base import Kind
 from fusegen.runtime.layout import RowLayout
@@ -82,6 +84,12 @@ class PackedQKVKind(Kind):
 
     name = KIND
     priority = 30
+    rules = section_rules(
+        SKELETONS,
+        ("packed-linear-subclass", "the packed linear is not exactly nn.Linear"),
+        ("packed-size", "the packed linear's rows are not the declared layout's"),
+        ("packed-qkv-skeleton", "the packed q/k/v kind rewrites no class yet"),
+    )
 
     def candidate(self, module: nn.Module) -> bool:
         return declared_layout(module) is not None

@@ -27,6 +27,8 @@ from torch import nn
 
 from fusegen.core import astutil
 from fusegen.core.plan import FusionPlan, Refused
+from fusegen.core.rules import SKELETONS
+from fusegen.core.rules import rules as section_rules
 from fusegen.core.traced import Trace
 from fusegen.fusions import leaf
 from fusegen.fusions.base import Kind
@@ -92,7 +94,8 @@ def rewrite_forward(forward: ast.FunctionDef, plan: SiluPlan) -> None:
     """The kernel under a guard admitting the dtypes `check_exact` executed; the original return below it."""
     x = plan.input_name
     dtypes = ", ".join(str(dtype) for dtype in DTYPES)
-    leaf.guard_forward(forward, f"{x}.dtype in ({dtypes})", f"{KERNEL}({x})")
+    reason = "fusegen: silu equals the statement below for the dtypes the build executed it in only"
+    leaf.guard_forward(forward, f"{x}.dtype in ({dtypes})", f"{KERNEL}({x})", reason)
 
 
 def check_exact(cls: type, instance: nn.Module, plan: SiluPlan, namespace: dict | None = None) -> int:
@@ -118,6 +121,12 @@ class SiluKind(Kind):
 
     name = KIND
     priority = 95
+    summary = f"forward computed by one {KERNEL} call"
+    rules = section_rules(
+        SKELETONS,
+        ("silu-form", "forward is not one return of x * sigmoid(x)"),
+        (RULE, "the rewritten forward differs from the original when executed"),
+    )
 
     def candidate(self, module: nn.Module) -> bool:
         """Leaf modules of a class defined outside torch whose forward's source mentions `sigmoid`."""
