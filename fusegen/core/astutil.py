@@ -116,7 +116,7 @@ def fresh_name(base: str, taken: set[str]) -> str:
     return name
 
 
-def parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+def parent_map(tree: ast.AST) -> dict[ast.AST, ast.AST]:
     """Map each node under `tree` to its parent."""
     return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
 
@@ -162,9 +162,9 @@ def block_path(block: list[ast.stmt], node: ast.AST) -> list[tuple[list[ast.stmt
 
 
 def enclosing_loop_or_scope(funcdef: ast.FunctionDef, node: ast.AST, parent_of: dict | None = None) -> ast.AST | None:
-    """The innermost loop, comprehension or nested scope around `node` in `funcdef` (`parent_of`: `parents(funcdef)`,
+    """The innermost loop, comprehension or nested scope around `node` in `funcdef` (`parent_of`: `parent_map(funcdef)`,
     when the caller already has it)."""
-    parent_of = parents(funcdef) if parent_of is None else parent_of
+    parent_of = parent_map(funcdef) if parent_of is None else parent_of
     current = parent_of.get(node)
     while current is not None and current is not funcdef:
         if isinstance(current, LOOPS_AND_SCOPES):

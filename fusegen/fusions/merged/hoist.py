@@ -46,7 +46,7 @@ import types
 import torch
 from torch import nn
 
-from fusegen.core.astutil import enclosing_loop_or_scope, parents, self_attr
+from fusegen.core.astutil import enclosing_loop_or_scope, parent_map, self_attr
 from fusegen.core.plan import Refused
 from fusegen.core.vocabulary import (
     FRAME_ATTRS,
@@ -266,7 +266,7 @@ def check_no_deferred_capture(funcdef: ast.FunctionDef, region: list[ast.stmt], 
     what it does. Eager comprehensions run where they stand and are checked there.
     """
     end = max(getattr(node, "end_lineno", 0) or 0 for node in region_nodes(region))
-    parent_of = parents(funcdef)
+    parent_of = parent_map(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
         if isinstance(node, _SCOPES) and node.lineno <= end:
             captured = loads(node)  # the body, and the defaults and decorators evaluated with it
@@ -572,7 +572,7 @@ def check_no_opaque_aliases(
                     makers.setdefault(name, []).append(call)
     hits = {name: nodes for name, nodes in makers.items() if name not in names}
     end = max(getattr(node, "end_lineno", 0) or 0 for node in region_nodes(region))
-    parent_of = parents(funcdef)
+    parent_of = parent_map(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in hits and node.lineno <= end:
             if all(_read_first(node, maker, funcdef, parent_of) for maker in hits[node.id]):

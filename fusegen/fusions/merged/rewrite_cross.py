@@ -196,7 +196,7 @@ def _stores(funcdef: ast.FunctionDef, name: str) -> list[ast.AST]:
     """Every statement or construct that may bind or unbind `name` anywhere in `funcdef` (nested scopes counted
     too, which only costs a fusion): assignments of any kind, loop and `with` targets, `del`, imports,
     `except ... as`, match captures, nested definitions and `global`/`nonlocal` declarations."""
-    parent_of = astutil.parents(funcdef)
+    parent_of = astutil.parent_map(funcdef)
     found = []
     for node in ast.walk(funcdef):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id == name:

@@ -132,7 +132,7 @@ def single_call(funcdef: ast.FunctionDef, name: str, merged: str | None = None) 
 
 
 def _fold_guard(funcdef: ast.FunctionDef, ref: ast.Attribute, name: str, merged: str | None = None) -> None:
-    parent_of = astutil.parents(funcdef)
+    parent_of = astutil.parent_map(funcdef)
     parent = parent_of.get(ref)
     if isinstance(parent, ast.Compare) and len(parent.ops) == 1 and isinstance(parent.ops[0], (ast.Is, ast.IsNot)):
         other = parent.comparators[0] if parent.left is ref else parent.left
