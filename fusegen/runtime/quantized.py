@@ -188,7 +188,9 @@ def compose_merged_linears(model: nn.Module) -> dict[str, str]:
         else:
             composer = next((c for c in _COMPOSERS if c.accepts(pieces)), None)
             if composer is None:
-                types = sorted({f"{type(piece).__name__} ({type(piece.weight).__name__})" for piece in pieces})
+                types = sorted(
+                    {f"{type(piece).__name__} ({type(getattr(piece, 'weight', None)).__name__})" for piece in pieces}
+                )
                 site.reason = f"no composer stacks pieces of type {', '.join(types)}"
             else:
                 merged = composer.compose(pieces, list(site.piece_sizes))
@@ -410,7 +412,9 @@ def _split_bnb_4bit(module: nn.Module, leaf: str, tensor: torch.Tensor, sizes: l
     if leaf in ("weight", "bias"):
         return _rows(tensor, sizes)
     state = module.weight.quant_state
-    absmax = _rows(state.absmax, sizes)
+    # After a CPU forward, bitsandbytes keeps absmax as [blocks per row, rows] (its save restores the weight bytes but
+    # not this layout, for the original's linears alike): then each piece's absmax is its columns.
+    absmax = _rows(state.absmax, sizes) if state.absmax.dim() == 1 else [t.T for t in _rows(state.absmax.T, sizes)]
     pieces = [
         bnb.functional.QuantState(
             absmax=part,
