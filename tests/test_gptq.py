@@ -60,12 +60,17 @@ def gptq_checkpoints(tmp_path_factory):
                 {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
                 for ids in (torch.randint(0, 128, (1, 32), generator=generator) for _ in range(16))
             ]
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                quantize = gptqmodel.QuantizeConfig(bits=4, group_size=32, desc_act=desc_act)
-                model = gptqmodel.GPTQModel.load(str(source), quantize, device="cpu")
-                model.quantize(calibration, batch_size=4)
-                model.save(str(out))
+            here = os.getcwd()
+            os.chdir(out)  # gptqmodel writes its logs/ into the working directory
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    quantize = gptqmodel.QuantizeConfig(bits=4, group_size=32, desc_act=desc_act)
+                    model = gptqmodel.GPTQModel.load(str(source), quantize, device="cpu")
+                    model.quantize(calibration, batch_size=4)
+                    model.save(str(out))
+            finally:
+                os.chdir(here)
             made[model_type, desc_act] = out
         return made[model_type, desc_act]
 

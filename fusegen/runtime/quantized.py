@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -291,11 +292,8 @@ register_composer(
 
 
 def _bnb():
-    try:
-        import bitsandbytes
-    except ImportError:
-        return None
-    return bitsandbytes
+    """bitsandbytes if something loaded it (pieces of its classes exist only then); never imported from here."""
+    return sys.modules.get("bitsandbytes")
 
 
 def _is_bnb(pieces: list[nn.Module], class_name: str) -> bool:
