@@ -184,8 +184,11 @@ def compose_merged_linears(model: nn.Module) -> dict[str, str]:
     for path, site in piecewise_sites(model).items():
         owner, attribute = _owner_of(model, path)
         pieces = site.pieces()
-        if any(p.is_meta for piece in pieces for p in piece.parameters()):
+        devices = {p.device for piece in pieces for p in piece.parameters()}
+        if any(device.type == "meta" for device in devices):
             site.reason = "a piece is still on the meta device"
+        elif len(devices) > 1:
+            site.reason = f"pieces on different devices ({sorted(map(str, devices))})"
         else:
             composer = next((c for c in _COMPOSERS if c.accepts(pieces)), None)
             if composer is None:
