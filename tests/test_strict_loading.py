@@ -182,6 +182,13 @@ def test_errors_name_the_class_called_the_file_and_the_tensor_without_a_tracebac
     assert "FusedLlamaForCausalLM: merged parameter" in message and "FusedLlamaModel" not in message
     assert "Traceback" not in message and 'File "' not in message and len(message.splitlines()) == 1, message
     assert error.value.file == str(path / "model.safetensors")
+    # Validation before Transformers reads anything (here: a cut file) names the class too.
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError) as error:
+        FusedLlamaForCausalLM.from_pretrained(path)
+    assert "FusedLlamaForCausalLM: " in str(error.value) and len(str(error.value).splitlines()) == 1, error.value
+    assert error.value.file == str(path / "model.safetensors") and error.value.tensor
 
 
 def test_an_unmappable_q_proj_under_a_new_parent_leaves_nothing_random(checkpoint):

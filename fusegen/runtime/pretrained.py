@@ -139,6 +139,13 @@ def save_canonical(model) -> None:
     model._weight_conversions = [*present, *merges]
 
 
+def named_error(cls: type, error: CheckpointError) -> CheckpointError:
+    """`error` with the name of the class whose `from_pretrained` was called in front of its problem (once)."""
+    if error.problem.startswith(f"{cls.__name__}: "):
+        return error
+    return CheckpointError(f"{cls.__name__}: {error.problem}", file=error.file, tensor=error.tensor)
+
+
 def reversible_conversions(conversions: list) -> list:
     """`conversions` without the quantizers' deserializers (a bitsandbytes pre-quantized load records its
     `Bnb4bitDeserialize` converter, whose op has no `reverse_op`, so Transformers' save raises NotImplementedError,
@@ -165,12 +172,15 @@ def fused_from_pretrained(cls: type, load: Callable, path, *model_args, **kwargs
     root = _validated_directory(path, kwargs)
     layout = None
     if root is not None:
-        with open_checkpoint(root, allow_pickle=allow_pickle, allowed_roots=_hub_blobs(root)) as checkpoint:
-            layout = checkpoint.layout
-            if layout == FUSED:
-                check_fused_rows(cls, checkpoint)
-                weights = (checkpoint.index or checkpoint.files[0]).relative_to(root).as_posix()
-                kwargs = _point_at(root, weights, kwargs)
+        try:
+            with open_checkpoint(root, allow_pickle=allow_pickle, allowed_roots=_hub_blobs(root)) as checkpoint:
+                layout = checkpoint.layout
+                if layout == FUSED:
+                    check_fused_rows(cls, checkpoint)
+                    weights = (checkpoint.index or checkpoint.files[0]).relative_to(root).as_posix()
+                    kwargs = _point_at(root, weights, kwargs)
+        except CheckpointError as error:
+            raise named_error(cls, error) from None
     with reading_session(), load_scope():
         loaded = load(path, *model_args, **kwargs)
     if layout == FUSED:
