@@ -34,6 +34,7 @@ from transformers.conversion_mapping import (
 )
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
+from .layout import layout_of
 from .linear import absent_bias_pieces
 from .merged import find_merged_linear, find_merged_module
 from .quant import check_quantized_pieces
@@ -92,6 +93,12 @@ class MergedColumnConcatenate(PreallocatedConcatenate):
         # receive the merged tensor as they receive any other (optimum-quanto's takes `value[0]`, which of a bare
         # tensor would be its first row); the loader unwraps it when no quantize op follows.
         merged_tensors = super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+        layout = layout_of(merged) if merged is not None else None
+        if layout is not None and not layout.is_contiguous:  # the pieces' rows interleaved as the kind declared
+            order = layout.order()
+            merged_tensors = {
+                key: value.index_select(self.dim, order.to(value.device)) for key, value in merged_tensors.items()
+            }
         return {key: [value] for key, value in merged_tensors.items()}
 
     @property
@@ -140,7 +147,7 @@ class MergedColumnSplit(ConversionOps):
                 f"{full_layer_name}: cannot split a tensor of size {tensor.shape[self.dim]} into {target_patterns} "
                 f"with output_sizes={sizes}"
             )
-        pieces = dict(zip(target_patterns, tensor.split(sizes, dim=self.dim)))
+        pieces = dict(zip(target_patterns, layout_of(merged).split(tensor, dim=self.dim)))
         absent = absent_bias_pieces(merged) if _is_bias(full_layer_name) else []
         if not absent:
             return pieces

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .files import CANONICAL, FUSED, Checkpoint, CheckpointError, TensorInfo
+from .layout import require_contiguous
 from .linear import absent_bias_pieces
 from .merged import merged_modules, stacked_mapping
 
@@ -51,6 +52,7 @@ def _pieces_for(path: str, module: torch.nn.Module, mapping: Mapping[str, tuple[
             f"{path} is a merged linear but {attribute!r} is not in the stacked mapping {sorted(mapping)}; "
             "pass stacked= or define STACKED_PARAMS_MAPPING in the model's module"
         )
+    require_contiguous(module, f"{path}: fusegen's own loader and saver")
     if len(pieces) != len(module.output_sizes):
         raise ValueError(f"{path}: mapping lists {pieces} but output_sizes is {module.output_sizes}")
     return pieces

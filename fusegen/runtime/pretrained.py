@@ -240,12 +240,17 @@ class FusedPreTrainedMixin:
     def _finalize_model_loading(cls, model, load_config, loading_info):
         """Transformers' finalisation between fusegen's checks and fixes (fusegen/runtime/strict.py): raise instead of
         randomly initialising a merged parameter the checkpoint filled in part (one it lacks entirely is missing, as
-        for the original); then stack the merged linears built split for a quantized load (fusegen/runtime/quantized.py).
-        """
+        for the original); under tensor parallelism, give merged parameters read whole their honest placement
+        (`tp.describe_loaded`); after it, stack the merged linears built split for a quantized load
+        (fusegen/runtime/quantized.py)."""
         from .quantized import compose_merged_linears, piecewise_sites
         from .strict import check_loading
 
         check_loading(model, loading_info, load_config.pretrained_model_name_or_path, caller=cls.__name__)
+        if any(getattr(module, "tp_partition", None) is not None for module in model.modules()):
+            from .tp.styles import describe_loaded
+
+            describe_loaded(model)  # merged parameters read whole (replicated kv heads) get their true placement
         loading_info = super()._finalize_model_loading(model, load_config, loading_info)
         if piecewise_sites(model):
             compose_merged_linears(model)
@@ -276,15 +281,18 @@ class FusedPreTrainedMixin:
         return super()._can_set_experts_implementation()
 
     def init_parallel_plans(self):
-        """Transformers' parallel plans, with the generated file's `TP_PLAN` rules for the merged projections.
+        """Transformers' parallel plans, with the generated file's `TP_PLAN` rules for the merged projections, and
+        the hooks that list a distributed model's merged parameters as their canonical pieces (`.distributed`).
 
         fusegen.runtime.tp is imported here, when a model is built, so importing a generated file stays light.
         """
+        from .distributed import register_canonical_state_hooks
         from .tp import init_fused_parallel_plans
 
         found = _generated_class(type(self))
         plan = getattr(sys.modules.get(found[0].__module__), "TP_PLAN", None) if found is not None else None
         init_fused_parallel_plans(self, plan)
+        register_canonical_state_hooks(self)  # distributed (DTensor) state dicts in canonical names: FSDP2, TP
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto).

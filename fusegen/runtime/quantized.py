@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .layout import require_contiguous
 from .linear import MergedColumnLinear, sizes_attribute
 from .merged import merged_modules, stacked_mapping
 
@@ -154,6 +155,7 @@ def split_merged_linears(model: nn.Module) -> None:
     for path, module in merged_modules(model).items():
         if not isinstance(module, MergedColumnLinear):
             continue
+        require_contiguous(module, f"{path}: quantization")  # PiecewiseLinear concatenates in piece order
         owner, attribute = _owner_of(model, path)
         names = mapping.get(attribute)
         if names is None or len(names) != len(module.output_sizes):
