@@ -140,8 +140,9 @@ def _assert_same_files(expected_dir, actual_dir):
         safe_open(expected_dir / "model.safetensors", "pt") as expected,
         safe_open(actual_dir / "model.safetensors", "pt") as actual,
     ):
-        assert sorted(actual.keys()) == sorted(expected.keys())
-        for key in expected:
+        names = sorted(expected.keys())  # a safe_open handle is not iterable
+        assert sorted(actual.keys()) == names
+        for key in names:
             assert torch.equal(actual.get_tensor(key), expected.get_tensor(key)), key
     quantization = [
         json.loads((d / "config.json").read_text()).get("quantization_config") for d in (expected_dir, actual_dir)
