@@ -110,8 +110,11 @@ def _fp8_checkpoint(tmp_path, model_type, block):
 
 @pytest.mark.parametrize(
     ("model_type", "block"),
-    [("llama", "16x32"), pytest.param("qwen2", "16x32", marks=pytest.mark.slow)]
-    + [pytest.param(model_type, "64x64-mixed", marks=pytest.mark.slow) for model_type in ("llama", "qwen2")],
+    [
+        pytest.param(model_type, block, marks=pytest.mark.slow)
+        for model_type in ("llama", "qwen2")
+        for block in FP8_BLOCKS
+    ],
 )
 def test_fp8_fine_grained_loads_as_the_original(tmp_path, model_type, block):
     """On CPU Transformers dequantizes each piece with its own block scales at load (`Fp8Dequantize`); the fused
@@ -205,12 +208,12 @@ def _ct_checkpoint(tmp_path, model_type, scheme):
 
 @pytest.mark.parametrize(
     ("model_type", "scheme"),
-    [("qwen2", "w4a16-group128"), ("llama", "fp8-tensor")]
+    [("qwen2", "w4a16-group128")]
     + [
         pytest.param(model_type, scheme, marks=pytest.mark.slow)
         for model_type in ("llama", "qwen2")
         for scheme in CT_EXPECTED
-        if (model_type, scheme) not in {("qwen2", "w4a16-group128"), ("llama", "fp8-tensor")}
+        if (model_type, scheme) != ("qwen2", "w4a16-group128")
     ],
 )
 def test_compressed_tensors_loads_as_the_original(tmp_path, model_type, scheme):
