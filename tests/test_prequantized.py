@@ -234,9 +234,11 @@ def test_compressed_tensors_loads_as_the_original(tmp_path, model_type, scheme):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["w4a16-group128", "fp8-channel", "fp8-tensor"])
 @pytest.mark.parametrize("forward", [False, True], ids=["compressed", "after-forward"])
-def test_compressed_tensors_saves_what_the_original_saves(tmp_path, forward):
-    path, _ = _ct_checkpoint(tmp_path, "qwen2", "w4a16-group128")
+def test_compressed_tensors_saves_what_the_original_saves(tmp_path, scheme, forward):
+    """Composed sites (int4 packed, FP8 per row) and split ones (FP8 per tensor) write the original's files."""
+    path, _ = _ct_checkpoint(tmp_path, "qwen2", scheme)
     _, original_class, fused_class = model_classes("qwen2")
     original, fused = original_class.from_pretrained(path), fused_class.from_pretrained(path)
     if forward:
