@@ -130,6 +130,24 @@ CT_SCHEMES = {
     "fp8-channel": {"num_bits": 8, "type": "float", "strategy": "channel", "fmt": "float-quantized"},
     # fp8 e4m3 weights, one scale per tensor (FP8's weights): q, k and v each have their own
     "fp8-tensor": {"num_bits": 8, "type": "float", "strategy": "tensor", "fmt": "float-quantized"},
+    # fp8 e4m3 weights, one scale per block of 32 rows x 64 inputs (FP8_BLOCK's weights, smaller blocks): every piece
+    # holds whole blocks
+    "fp8-block32": {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "block",
+        "block_structure": [32, 64],
+        "fmt": "float-quantized",
+    },
+    # blocks of 48 rows: q (128 rows) and k, v (64) end in a partial block, so blocks of a stacked weight would
+    # straddle two pieces
+    "fp8-block48": {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "block",
+        "block_structure": [48, 64],
+        "fmt": "float-quantized",
+    },
 }
 
 
@@ -167,7 +185,12 @@ def write_compressed_tensors(model: torch.nn.Module, path: Path, scheme: str) ->
             if getattr(module, "quantization_scheme", None) is None:
                 continue
             weight = module.weight
-            if args.strategy == "group":
+            if args.strategy == "block":
+                rows, columns = args.block_structure
+                padded = torch.nn.functional.pad(weight, (0, -weight.shape[1] % columns, 0, -weight.shape[0] % rows))
+                blocks = padded.unflatten(0, (-1, rows)).unflatten(-1, (-1, columns))
+                low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
+            elif args.strategy == "group":
                 grouped = weight.unflatten(-1, (weight.shape[-1] // args.group_size, args.group_size))
                 low, high = grouped.amin(-1), grouped.amax(-1)
             elif args.strategy == "channel":

@@ -197,6 +197,8 @@ CT_EXPECTED = {
     "w4a16-channel": "composed",
     "fp8-channel": "composed",
     "fp8-tensor": "weight_scale is one value per module and differs",
+    "fp8-block32": "composed",
+    "fp8-block48": "do not hold whole blocks of 48 rows",
 }
 
 
