@@ -293,3 +293,19 @@ def test_gguf_save_is_refused_as_by_the_original(tmp_path):
             model_class.from_pretrained(tmp_path, gguf_file=path.name).save_pretrained(tmp_path / "out")
         messages.append(str(raised.value))
     assert messages[0] == messages[1]
+
+
+def test_load_checkpoint_refuses_fp8_values_without_their_scale(tmp_path):
+    """fusegen's own loader has no quantizer: with strict=False it would ignore `weight_scale_inv` as unexpected and
+    copy the raw e4m3 values into float weights. It raises, naming the tensor, before copying anything."""
+    from fusegen.runtime import CheckpointError, load_checkpoint
+
+    path, _ = _fp8_checkpoint(tmp_path, "llama", "16x32")
+    _, _, fused_class = model_classes("llama")
+    config = fused_class.config_class.from_pretrained(path)
+    del config.quantization_config
+    model = fused_class(config)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="pre-quantized .FP8. tensor whose scale is stored in another tensor"):
+        load_checkpoint(model, path, strict=False)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
