@@ -222,8 +222,11 @@ def write_fp8(model: torch.nn.Module, path: Path, block: tuple[int, int]) -> Pat
 
     config = FineGrainedFP8Config(weight_block_size=list(block))
     quantize = Fp8Quantize(type("Quantizer", (), {"quantization_config": config})())
-    tensors = {}
+    tensors, seen = {}, set()
     for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue  # a tied weight (lm_head = embeddings) is saved once, as Transformers saves it
+        seen.add(tensor.data_ptr())
         if ".layers." in name and name.endswith("_proj.weight"):
             tensors.update(quantize.convert({name: tensor.detach()}))
         else:

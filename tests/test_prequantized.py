@@ -43,7 +43,8 @@ def _ids():
 
 def _float_model(model_type: str, **overrides):
     config_class, original_class, _ = model_classes(model_type)
-    config = small_config(config_class, num_key_value_heads=2, tie_word_embeddings=False, **overrides)
+    overrides = {"num_key_value_heads": 2, "tie_word_embeddings": False, **overrides}
+    config = small_config(config_class, **overrides)
     return random_model(original_class, config)
 
 
@@ -309,3 +310,26 @@ def test_load_checkpoint_refuses_fp8_values_without_their_scale(tmp_path):
     with pytest.raises(CheckpointError, match="pre-quantized .FP8. tensor whose scale is stored in another tensor"):
         load_checkpoint(model, path, strict=False)
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_one_kv_head_and_tied_embeddings(tmp_path, model_type):
+    """Config variants: one kv head (k and v of a single head each) with tied embeddings, in each format."""
+    _, original_class, fused_class = model_classes(model_type)
+    variant = {"num_key_value_heads": 1, "tie_word_embeddings": True}
+    fp8 = write_fp8(_float_model(model_type, intermediate_size=128, **variant), tmp_path / "fp8", (16, 32))
+    ct_model = _float_model(model_type, hidden_size=128, intermediate_size=256, **variant)
+    ct = write_compressed_tensors(ct_model, tmp_path / "ct", "w4a16-group128")
+    for label, path, kwargs, float_model in [
+        ("fp8", fp8, {}, _float_model(model_type, intermediate_size=128, **variant)),
+        ("compressed-tensors", ct, {}, _float_model(model_type, hidden_size=128, intermediate_size=256, **variant)),
+    ]:
+        original = original_class.from_pretrained(path, **kwargs)
+        fused = fused_class.from_pretrained(path, **kwargs)
+        _compare(original, fused, float_model, f"{model_type} {label} one kv head, tied")
+    gguf_model = _float_model(model_type, intermediate_size=128, num_key_value_heads=1)
+    write_gguf(gguf_model, tmp_path / "model.gguf", "Q8_0")
+    original = original_class.from_pretrained(tmp_path, gguf_file="model.gguf")
+    fused = fused_class.from_pretrained(tmp_path, gguf_file="model.gguf")
+    _compare(original, fused, gguf_model, f"{model_type} gguf Q8_0 one kv head")
