@@ -237,6 +237,24 @@ def test_compressed_tensors_loads_as_the_original(tmp_path, model_type, scheme):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("scheme", ["w4a16-group128", "fp8-tensor"])
+def test_compressed_tensors_dequantized_at_load(tmp_path, model_type, scheme):
+    """`CompressedTensorsConfig(dequantize=True)`: Transformers dequantizes each piece at load into a plain float
+    linear (its `CompressedTensorsDequantize` op); the float pieces stack into one merged linear, whatever the scales.
+    """
+    from transformers import CompressedTensorsConfig
+
+    path, float_model = _ct_checkpoint(tmp_path, model_type, scheme)
+    _, original_class, fused_class = model_classes(model_type)
+    original = original_class.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    fused = fused_class.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    assert getattr(original.model.layers[0].self_attn.q_proj, "quantization_scheme", None) is None
+    held = _compare(original, fused, float_model, f"{model_type} compressed-tensors {scheme} dequantized at load")
+    assert set(held.values()) == {"MergedColumnLinear"}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["w4a16-group128", "fp8-channel", "fp8-tensor"])
 @pytest.mark.parametrize("forward", [False, True], ids=["compressed", "after-forward"])
 def test_compressed_tensors_saves_what_the_original_saves(tmp_path, scheme, forward):
