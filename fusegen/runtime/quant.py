@@ -75,12 +75,11 @@ def check_quantized_pieces(input_dict: dict[str, Any], merged_name: str | None, 
     are built split and never see this; a model built without one (a config object lacking the checkpoint's
     quantization_config) would otherwise concatenate `SCB`, `absmax`, int8 rows ... as if they were a weight.
 
-    A canonical float checkpoint has only a float `weight` (and `bias`) per piece, so anything else is quantized,
-    and so is a one-byte float (e4m3/e5m2): FP8 checkpoints keep its scale in another tensor (`weight_scale_inv`).
+    A canonical float checkpoint has only a float `weight` (and `bias`) per piece, so anything else is quantized.
     """
     leaf = (merged_name or "").rpartition(".")[2]
     tensors = [t for value in input_dict.values() for t in (value if isinstance(value, (list, tuple)) else [value])]
-    quantized = leaf not in _LINEAR_TENSORS or any(not t.is_floating_point() or t.element_size() == 1 for t in tensors)
+    quantized = leaf not in _LINEAR_TENSORS or any(not t.is_floating_point() for t in tensors)
     if quantized:
         method = _method(_get(getattr(model, "config", None), "quantization_config")) or "unknown"
         raise QuantizationRefused(
