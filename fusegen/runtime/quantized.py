@@ -417,7 +417,9 @@ def _split_bnb_4bit(module: nn.Module, leaf: str, tensor: torch.Tensor, sizes: l
     if leaf in ("weight", "bias"):
         return _rows(tensor, sizes)
     state = module.weight.quant_state
-    absmax = _rows(state.absmax, sizes)
+    # After a CPU forward, bitsandbytes keeps absmax as [blocks per row, rows] (its save restores the weight bytes but
+    # not this layout, for the original's linears alike): then each piece's absmax is its columns.
+    absmax = _rows(state.absmax, sizes) if state.absmax.dim() == 1 else [t.T for t in _rows(state.absmax.T, sizes)]
     pieces = [
         bnb.functional.QuantState(
             absmax=part,
