@@ -130,6 +130,14 @@ CT_SCHEMES = {
     "fp8-channel": {"num_bits": 8, "type": "float", "strategy": "channel", "fmt": "float-quantized"},
     # fp8 e4m3 weights, one scale per tensor (FP8's weights): q, k and v each have their own
     "fp8-tensor": {"num_bits": 8, "type": "float", "strategy": "tensor", "fmt": "float-quantized"},
+    # int4 asymmetric, one scale and zero point per row; the zero points are packed eight rows to an int32
+    "w4a16-asym-channel": {
+        "num_bits": 4,
+        "type": "int",
+        "strategy": "channel",
+        "symmetric": False,
+        "fmt": "pack-quantized",
+    },
     # fp8 e4m3 weights, one scale per block of 32 rows x 64 inputs (FP8_BLOCK's weights, smaller blocks): every piece
     # holds whole blocks
     "fp8-block32": {
@@ -151,9 +159,10 @@ CT_SCHEMES = {
 }
 
 
-def write_compressed_tensors(model: torch.nn.Module, path: Path, scheme: str) -> Path:
+def write_compressed_tensors(model: torch.nn.Module, path: Path | None, scheme: str) -> Path | None:
     """`model` (an original causal LM, float) saved as a compressed-tensors checkpoint of `scheme` (`CT_SCHEMES`),
-    every decoder linear quantized weight-only with round-to-nearest min/max scales, `lm_head` left float.
+    every decoder linear quantized weight-only with round-to-nearest min/max scales, `lm_head` left float. With
+    `path=None` the model's linears are only quantized and compressed in place (any module holding `nn.Linear`s).
 
     What llmcompressor's `oneshot` does for a data-free scheme, with compressed-tensors' own pieces: the scheme is
     attached by `apply_quantization_config`, the scales come from `calculate_qparams` on each weight's min/max (per
@@ -171,7 +180,7 @@ def write_compressed_tensors(model: torch.nn.Module, path: Path, scheme: str) ->
 
     spec = dict(CT_SCHEMES[scheme])
     fmt = spec.pop("fmt")
-    args = QuantizationArgs(symmetric=True, dynamic=False, **spec)
+    args = QuantizationArgs(**{"symmetric": True, "dynamic": False, **spec})
     config = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
         ignore=["lm_head"],
@@ -203,6 +212,8 @@ def write_compressed_tensors(model: torch.nn.Module, path: Path, scheme: str) ->
                 module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
+    if path is None:
+        return None
     model.save_pretrained(path)
     compressor.update_config(str(path))
     return path

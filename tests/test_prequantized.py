@@ -351,3 +351,33 @@ def test_one_kv_head_and_tied_embeddings(tmp_path, model_type):
     original = original_class.from_pretrained(tmp_path, gguf_file="model.gguf")
     fused = fused_class.from_pretrained(tmp_path, gguf_file="model.gguf")
     _compare(original, fused, gguf_model, f"{model_type} gguf Q8_0 one kv head")
+
+
+def test_compressed_tensors_zero_points_packed_across_pieces_stay_split():
+    """Asymmetric int4 packs the zero points eight rows to an int32 along the rows. (Transformers 5.24 cannot load
+    such a checkpoint into the original class: it expects the zero points unpacked and reports a size mismatch; so
+    the composer is checked on compressed-tensors' own modules.) Pieces of 64 and 64 rows stack, and the stacked
+    module decompresses to the pieces' weights; pieces of 100 rows end in a half-filled word, and stacking the words
+    would shift the second piece's zero points by four rows: they stay split."""
+    from compressed_tensors.compressors import decompress_module
+
+    from fusegen.runtime.format_composers import _compose_compressed_tensors
+
+    def pieces(rows):
+        torch.manual_seed(0)
+        holder = torch.nn.Module()
+        holder.a, holder.b = torch.nn.Linear(128, rows, bias=False), torch.nn.Linear(128, rows, bias=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            write_compressed_tensors(holder, None, "w4a16-asym-channel")
+        return [holder.a, holder.b]
+
+    whole = pieces(64)
+    assert whole[0].weight_zero_point.shape == (8, 1) and whole[0].weight_zero_point.dtype == torch.int32
+    merged = _compose_compressed_tensors(whole, [64, 64])
+    assert isinstance(merged, torch.nn.Linear), merged
+    for module in (*whole, merged):
+        decompress_module(module)
+    assert torch.equal(merged.weight, torch.cat([piece.weight for piece in whole]))
+    reason = _compose_compressed_tensors(pieces(100), [100, 100])
+    assert "weight_zero_point of shapes [[13, 1], [13, 1]] is not one entry per 8 rows" in reason

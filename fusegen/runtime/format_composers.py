@@ -12,7 +12,10 @@ its state is what the checkpoint holds (`weight_packed` / `weight` in e4m3, `wei
 - row tensors (`weight`, `weight_packed`, `bias`, and the weight scale and zero point of the `channel`, `group`,
   `tensor_group` and `block` strategies): one block of rows per piece, concatenated. Exact because int/fp8 packing runs
   along the input dimension (a row's bytes are its own), and a per-row or per-group-within-a-row scale multiplies only
-  its row; `block` needs every piece to hold whole blocks of rows, else blocks would straddle two pieces (refused);
+  its row. Two of them hold one entry per several rows: `block` scales (one per `block_structure[0]` rows) and the
+  zero points of an asymmetric `pack-quantized` scheme (packed `32 // num_bits` rows to an int32 along the rows).
+  Each piece must then hold exactly `rows / k` entries (whole blocks, whole int32 words): a piece ending in a partial
+  block or word would have it straddle into the next piece (refused);
 - `weight_shape`: the merged `[rows, in]`;
 - everything else (a `tensor`-strategy scale, static activation scales, `g_idx`, global scales): one value for the
   whole module, so stacked only when every piece holds the same value (bitwise); a per-tensor scale that differs
@@ -44,7 +47,7 @@ _CT_ROW_STRATEGIES = {"channel", "group", "tensor_group", "block"}
 
 
 def _row_blocks(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> bool:
-    """Does each tensor hold `rows * k` leading entries for one common `k` and the same trailing shape?"""
+    """Do the tensors have the same trailing shape, and leading sizes in proportion to the pieces' rows?"""
     if any(t.dim() == 0 for t in tensors) or any(t.shape[1:] != tensors[0].shape[1:] for t in tensors):
         return False
     return all(t.shape[0] * sizes[0] == tensors[0].shape[0] * size for t, size in zip(tensors, sizes))
@@ -87,6 +90,24 @@ def _ct_stacked(scheme, name: str) -> bool:
     return name in _CT_ROW_TENSORS or (name in _CT_ROW_QPARAMS and _ct_strategy(scheme) in _CT_ROW_STRATEGIES)
 
 
+def _ct_rows_per_entry(scheme, name: str, tensor: torch.Tensor) -> int:
+    """How many output rows one leading entry of stacked parameter `name` covers (see the module docstring)."""
+    if name in _CT_ROW_TENSORS:
+        return 1
+    weights = scheme.weights
+    if _ct_strategy(scheme) == "block":
+        return int(weights.block_structure[0])
+    fmt = str(getattr(scheme.format, "value", scheme.format))
+    if (
+        name == "weight_zero_point"
+        and fmt == "pack-quantized"
+        and tensor.dtype == torch.int32
+        and weights.num_bits < 32
+    ):
+        return 32 // int(weights.num_bits)
+    return 1
+
+
 def _compose_compressed_tensors(pieces: list[nn.Module], sizes: list[int]) -> nn.Module | str:
     """One compressed-tensors linear holding the pieces' state stacked by rows (see the module docstring)."""
     from compressed_tensors.quantization.lifecycle.forward import set_forward_quantized
@@ -109,8 +130,13 @@ def _compose_compressed_tensors(pieces: list[nn.Module], sizes: list[int]) -> nn
         if name == "weight_shape":
             stacked[name] = torch.tensor([sum(sizes), *tensors[0][1:].tolist()], dtype=tensors[0].dtype)
         elif _ct_stacked(scheme, name):
-            if not _row_blocks(tensors, sizes):
-                return f"{name} of shapes {[list(t.shape) for t in tensors]} is not one block of rows per piece"
+            rows = _ct_rows_per_entry(scheme, name, tensors[0])
+            exact = all(t.dim() > 0 and t.shape[0] * rows == size for t, size in zip(tensors, sizes))
+            if not exact or not _row_blocks(tensors, sizes):
+                return (
+                    f"{name} of shapes {[list(t.shape) for t in tensors]} is not one entry per {rows} rows of "
+                    f"pieces of {sizes} rows (a partial block or packed word would straddle two pieces)"
+                )
             stacked[name] = torch.cat(tensors)
         elif _all_equal(tensors):
             stacked[name] = tensors[0].clone()
