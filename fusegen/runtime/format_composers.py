@@ -118,6 +118,14 @@ def _compose_compressed_tensors(pieces: list[nn.Module], sizes: list[int]) -> nn
     statuses = {str(getattr(piece, "quantization_status", None)) for piece in pieces}
     if len(statuses) != 1 or "compressed" not in next(iter(statuses)).lower():
         return f"pieces are not all compressed (status {sorted(statuses)}); a forward has decompressed them"
+    if any(
+        list(piece.buffers(recurse=False))
+        or list(piece.children())
+        or piece._forward_hooks
+        or piece._forward_pre_hooks
+        for piece in pieces
+    ):
+        return "a piece holds buffers, submodules or hooks, which the stacked module would not carry"
     names = [name for name, _ in pieces[0].named_parameters(recurse=False)]
     if any([name for name, _ in piece.named_parameters(recurse=False)] != names for piece in pieces[1:]):
         return "pieces hold different compressed-tensors parameters"
