@@ -253,9 +253,14 @@ def _stacked_bias(pieces: list[nn.Module]) -> torch.Tensor | None:
 
 
 def _plain(piece: nn.Module) -> bool:
-    """Plain float parameters (not a quantizer's tensor subclass such as torchao's, which stacks its own way)."""
-    return all(type(p) is nn.Parameter and type(p.data) is torch.Tensor and p.is_floating_point()
-               for p in piece.parameters(recurse=False))  # fmt: skip
+    """Plain float `weight` (and `bias`) only: not a quantizer's tensor subclass such as torchao's, which stacks its
+    own way, nor a float8 weight with a scale beside it (compressed-tensors' FP8 pieces), whose value is the scaled one.
+    """
+    parameters = dict(piece.named_parameters(recurse=False))
+    return set(parameters) <= {"weight", "bias"} and all(
+        type(p) is nn.Parameter and type(p.data) is torch.Tensor and p.is_floating_point() and p.element_size() > 1
+        for p in parameters.values()
+    )
 
 
 def _compose_float(pieces: list[nn.Module], sizes: list[int]) -> nn.Module | str:
