@@ -53,6 +53,14 @@ def colourise(diff: str) -> str:
     return "".join(out)
 
 
+_HEAD_HELP = (
+    "the class to build when the model type registers several: image-text-to-text, multimodal-lm, causal-lm, "
+    "seq2seq-lm, speech-seq2seq, base, text-encoding, masked-lm, dual-encoder, sequence-classification, "
+    "token-classification, or a class name (BertForMaskedLM); default: the one a user would serve "
+    "(`TYPE:HEAD` says the same per target)"
+)
+
+
 def make_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     loudness = common.add_mutually_exclusive_group()
@@ -73,15 +81,18 @@ def make_parser() -> argparse.ArgumentParser:
     build.add_argument("--diff", action="store_true", help="write nothing; print the diff of each stale file")
     build.add_argument("--all", action="store_true", help="every causal-LM model type of the installed Transformers")
     build.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes for --all (default 1)")
+    build.add_argument("--head", default=None, metavar="HEAD", help=_HEAD_HELP)
     build.set_defaults(handler=_build)
 
     diff = commands.add_parser("diff", parents=[common], help="show what fusion changed in each fused class")
     diff.add_argument("targets", nargs="+", metavar="TARGET")
+    diff.add_argument("--head", default=None, metavar="HEAD", help=_HEAD_HELP)
     diff.set_defaults(handler=_diff)
 
     report = commands.add_parser("report", parents=[common], help="show what would be fused or refused, and why")
     report.add_argument("targets", nargs="+", metavar="TARGET")
     report.add_argument("--json", action="store_true", help="print the outcomes as JSON")
+    report.add_argument("--head", default=None, metavar="HEAD", help=_HEAD_HELP)
     report.set_defaults(handler=_report)
 
     listing = commands.add_parser("list", parents=[common], help="model types and what fusegen made of them")
@@ -111,6 +122,8 @@ def _build(args, console: Console) -> int:
     if args.all:
         if args.targets or args.check or args.diff:
             raise InputError("--all takes no TARGET and cannot be combined with --check or --diff")
+        if args.head is not None:
+            raise InputError("--all builds each model type's default head; --head needs TARGETs")
         return _build_all(args, console)
     targets = list(dict.fromkeys(args.targets))
     if not targets:
@@ -124,10 +137,12 @@ def _build(args, console: Console) -> int:
         if not targets:
             raise InputError(f"no fused_*.py files in {args.output_dir} to check")
 
-    results = [build(target) for target in targets]  # all or nothing: any error writes no file
+    if args.head is not None and not args.targets:
+        raise InputError("--head needs TARGETs (with --check alone, each file's header names its head)")
+    results = [build(_headed(target, args.head)) for target in targets]  # all or nothing: any error writes no file
     status = EXIT_OK
     for result in results:
-        path = output_path(args.output_dir, result.target.model_type)
+        path = output_path(args.output_dir, result.target.file_stem)
         if result.text is None:
             console.info(
                 f"{result.target.source}: nothing fused, no file written "
@@ -157,6 +172,15 @@ def _build(args, console: Console) -> int:
         if result.validation is not None:
             console.detail(f"  validated against the original: {result.validation.describe()}")
     return status
+
+
+def _headed(target: str, head: str | None) -> str:
+    """`target` with `--head` applied (`TYPE:HEAD`; a module path is left to `resolve` to reject it with)."""
+    from fusegen.compiler.resolve import resolve
+
+    if head is None:
+        return target
+    return resolve(target, head).source
 
 
 def _summary(result) -> str:
@@ -200,7 +224,7 @@ def _diff(args, console: Console) -> int:
     from fusegen.tools.diff import class_diffs
 
     for target in dict.fromkeys(args.targets):
-        result = build(target)
+        result = build(_headed(target, args.head))
         if result.text is None:
             console.info(f"{target}: nothing fused, nothing to diff")
         for diff in class_diffs(result) if result.text else []:
@@ -212,7 +236,7 @@ def _report(args, console: Console) -> int:
     from fusegen.compiler.build import analyse
     from fusegen.tools.report import report_data, report_text
 
-    analyses = [analyse(target) for target in dict.fromkeys(args.targets)]
+    analyses = [analyse(_headed(target, args.head)) for target in dict.fromkeys(args.targets)]
     if args.json:
         print(json.dumps(report_data(analyses), indent=2))
     else:

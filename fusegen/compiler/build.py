@@ -116,7 +116,10 @@ def propagate(analysis: Analysis) -> Emission:
         rename_classes(item.classdef, renames)
     kind_names = {name for kind in fusions.kinds() for name in kind.runtime_names}
     imports = import_block(
-        emitted, set(renames.values()) | TEMPLATE_NAMES, {REGISTER, REGISTER_AUTO}, {CHECK, MIXIN} | kind_names
+        emitted,
+        set(renames.values()) | TEMPLATE_NAMES,
+        {REGISTER, REGISTER_AUTO} if target.generates else {REGISTER},
+        {CHECK, MIXIN} | kind_names,
     )
     return Emission(
         emitted,
@@ -153,6 +156,7 @@ def render_module(analysis: Analysis, emission: Emission) -> str:
         classes=sources,
         checkpoint_classes=repr(emission.checkpoint_classes),
         fused_causal_lm=renames[target.causal_lm.__name__],
+        generates=target.generates,
         parents=repr(emission.parents),
         exports=repr(sorted(renames.values())),
         **tensor_parallel(model, plans, emission.parents),
