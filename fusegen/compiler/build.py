@@ -28,6 +28,7 @@ from fusegen.compiler.imports import import_block
 from fusegen.compiler.instantiate import candidates, instantiate
 from fusegen.compiler.mappings import checkpoint_classes, stacked_mapping, tensor_parallel
 from fusegen.compiler.methods import CHECK, MIXIN, REGISTER, REGISTER_AUTO, TEMPLATE_NAMES, add_runtime_base
+from fusegen.compiler.piece_refs import PIECE, piece_table, rewrite_piece_references
 from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes, merged_linears
 from fusegen.compiler.propagate import Emitted, classes_to_emit, fused_name, fused_names, rename_classes
 from fusegen.compiler.reachable import refuse_unreachable
@@ -110,6 +111,10 @@ def propagate(analysis: Analysis) -> Emission:
     added, and the tables and imports the generated file needs."""
     target, model, outcomes = analysis.target, analysis.model, analysis.outcomes
     emitted = classes_to_emit(target.module, model, analysis.rewritten)
+    pieces = piece_table(model, outcomes)
+    for item in emitted.values():
+        if isinstance(item.classdef, ast.ClassDef):  # reads of a projection kept through the merged rows
+            rewrite_piece_references(item.classdef, vars(item.module), pieces)
     renames = fused_names(emitted)
     add_runtime_base(emitted, model)
     for item in emitted.values():
@@ -119,7 +124,7 @@ def propagate(analysis: Analysis) -> Emission:
         emitted,
         set(renames.values()) | TEMPLATE_NAMES,
         {REGISTER, REGISTER_AUTO} if target.generates else {REGISTER},
-        {CHECK, MIXIN} | kind_names,
+        {CHECK, MIXIN, PIECE} | kind_names,
     )
     return Emission(
         emitted,

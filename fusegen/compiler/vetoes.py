@@ -13,6 +13,7 @@ import sys
 from torch import nn
 
 from fusegen.compiler import astutil
+from fusegen.compiler.piece_refs import guarded_against, isinstance_guards, rewritable
 from fusegen.compiler.plan import ClassOutcome, Refused, Veto, Vetoes, merged_linears
 from fusegen.compiler.scopes import parents as source_parents
 
@@ -101,15 +102,12 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes
     silently skip it. Any `<expr>.<projection>` outside `self.` in the model's
     classes counts: a false alarm costs a fusion, a miss breaks loading.
 
-    One exception (`guarded_against`): a read `name.q_proj` inside the body of `if isinstance(name, C)` (or
-    `elif`, or a conjunction holding that test), where `name` is not rebound in that body, only ever runs on
-    instances of `C`. It reaches a fused class `F` only if an instance of `F` can be an instance of `C`, that is
-    if `F` is a subclass of one of the classes `C` names (every name resolved in the reading class's module). So
-    `SiglipPreTrainedModel._init_weights`'s `module.q_proj` under `isinstance(module, SiglipAttention)` is a
-    reference to SiglipAttention's fusion, not Gemma3Attention's. A guard whose classes do not resolve counts as
-    no guard.
+    Two exceptions (fusegen/compiler/piece_refs.py gives the soundness argument): a read under an isinstance guard
+    that excludes the fused class (`guarded_against`) is no reference to it, and a read under a guard naming
+    exactly the fused class, used only for its `.weight`/`.bias` (`rewritable`), is kept by the emitted copy of
+    the reading class, which reads the piece's rows of the merged linear instead (`rewrite_piece_references`).
     """
-    names = {plan.merged: (o.class_name, plan.projections) for o in outcomes for plan in merged_linears(o.fused)}
+    names = [(plan.merged, o.class_name, plan.projections) for o in outcomes for plan in merged_linears(o.fused)]
     if not names:
         return {}
     vetoes: Vetoes = {}
@@ -125,12 +123,16 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes
             classdef = astutil.parse_class(cls)
         except Refused:
             continue
-        guards = isinstance_guards(classdef, vars(sys.modules[cls.__module__]))
+        namespace = vars(sys.modules[cls.__module__])
+        guards, parent_of = isinstance_guards(classdef, namespace), astutil.parents(classdef)
         for node in ast.walk(classdef):
             if not isinstance(node, ast.Attribute) or astutil.self_attr(node):
                 continue
-            for merged, (class_name, projections) in names.items():
-                if node.attr in projections and not guarded_against(node, guards, fused_classes.get(class_name)):
+            for merged, class_name, projections in names:
+                fused = fused_classes.get(class_name)
+                if node.attr not in projections or guarded_against(node, guards, fused):
+                    continue
+                if not rewritable(node, guards, fused, parent_of, namespace):
                     vetoes.setdefault(class_name, {}).setdefault(
                         merged,
                         Veto(
@@ -139,62 +141,6 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes
                         ),
                     )
     return vetoes
-
-
-Guards = dict[int, list[tuple[str, tuple[type, ...]]]]
-"""`id(node)` -> the `(name, classes)` of each `isinstance(name, classes)` test whose if-body holds the node."""
-
-
-def isinstance_guards(classdef: ast.ClassDef, namespace: dict) -> Guards:
-    """For every node of `classdef`, the isinstance tests it runs under (see `outside_references`).
-
-    A test counts when it is `isinstance(name, C)` or `isinstance(name, (C1, C2))` with every `C` a name bound to a
-    class in `namespace`, alone or as an operand of `and`; only the if-body is guarded (not its `else`), and not
-    the parts of the body after a statement that rebinds `name` (any assignment, loop or `with` target of it there
-    drops the guard for the whole body, the conservative reading).
-    """
-    guards: Guards = {}
-    for statement in ast.walk(classdef):
-        if not isinstance(statement, ast.If):
-            continue
-        tests = (
-            statement.test.values
-            if isinstance(statement.test, ast.BoolOp) and isinstance(statement.test.op, ast.And)
-            else [statement.test]
-        )
-        for name, classes in filter(None, (_isinstance_test(test, namespace) for test in tests)):
-            body = ast.Module(body=statement.body, type_ignores=[])
-            if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(body)):
-                continue
-            for node in ast.walk(body):
-                guards.setdefault(id(node), []).append((name, classes))
-    return guards
-
-
-def _isinstance_test(test: ast.expr, namespace: dict) -> tuple[str, tuple[type, ...]] | None:
-    """`(name, classes)` of `isinstance(name, C)` / `isinstance(name, (C1, ...))` with classes resolved, else None."""
-    if not (
-        isinstance(test, ast.Call)
-        and isinstance(test.func, ast.Name)
-        and test.func.id == "isinstance"
-        and len(test.args) == 2
-        and not test.keywords
-        and isinstance(test.args[0], ast.Name)
-    ):
-        return None
-    spelled = test.args[1].elts if isinstance(test.args[1], ast.Tuple) else [test.args[1]]
-    classes = [namespace.get(item.id) if isinstance(item, ast.Name) else None for item in spelled]
-    if not classes or not all(isinstance(cls, type) for cls in classes):
-        return None
-    return test.args[0].id, tuple(classes)
-
-
-def guarded_against(node: ast.Attribute, guards: Guards, fused: type | None) -> bool:
-    """Whether the read `node` (`name.attr`) provably never runs on an instance of `fused`: it sits under an
-    isinstance test of `name` none of whose classes `fused` subclasses. With `fused` unknown, never."""
-    if fused is None or not isinstance(node.value, ast.Name):
-        return False
-    return any(name == node.value.id and not issubclass(fused, classes) for name, classes in guards.get(id(node), []))
 
 
 def prefused_checkpoints(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
