@@ -40,6 +40,7 @@ def test_a_head_is_named_by_mapping_or_by_class_and_recorded_in_the_target():
     assert by_mapping.source == by_class.source == spelled.source == "bert:masked-lm"
     assert spelled.file_stem == "bert_masked_lm"
     assert resolve("bert", "base").source == "bert"  # the default head needs no suffix
+    assert resolve("kosmos-2.5").model_type == "kosmos-2.5"  # a model type with a dot is no module path
 
 
 def test_an_unknown_head_names_the_heads_the_type_has():

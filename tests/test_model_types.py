@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import generated
+from fusegen.compiler.modal_inputs import forward_inputs
 from fusegen.compiler.resolve import resolve
 from fusegen.compiler.validate import construction_variants
 from fusegen.testkit import SMALL_MLA, TOLERANCE, max_diff, random_input, random_model, small_config, tiny_config
@@ -74,10 +75,10 @@ def test_checked_in_file_matches_under_every_construction_variant(model_type, tm
         original.save_pretrained(tmp_path / label)
         fused, info = fused_class.from_pretrained(tmp_path / label, output_loading_info=True)
         assert not any(info.values()), (label, info)
-        input_ids = random_input(variant)
+        inputs = forward_inputs(original, variant, random_input(variant))  # images too, for a multimodal type
         with torch.no_grad():
-            expected = original(input_ids=input_ids).logits
-            diff = max_diff(expected, fused.eval()(input_ids=input_ids).logits)
+            expected = original(**inputs)[0]  # logits, or an encoder's hidden states
+            diff = max_diff(expected, fused.eval()(**inputs)[0])
         assert diff <= TOLERANCE, (label, diff)
         assert expected.abs().max().item() > 0.1, label  # logits of order 1: a fault would show
         fused.save_pretrained(tmp_path / f"{label}-fused")

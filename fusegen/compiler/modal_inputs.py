@@ -161,3 +161,16 @@ def audio_features(config, batch: int, generator: torch.Generator) -> torch.Tens
     bins = getattr(config, "num_mel_bins", None) or 80
     positions = getattr(config, "max_source_positions", None) or 16
     return torch.randn(batch, bins, 2 * positions, generator=generator)
+
+
+def meta_image_inputs(model: nn.Module, batch: int = 2) -> dict:
+    """`image_inputs` for recording a meta forward (`fusegen.compiler.trace`): pixels on `meta`, integer layout
+    tensors (`image_grid_thw`, `image_sizes`) real, since the vision path reads their values; {} when the forward
+    takes no images or the config does not say how to make them."""
+    if "pixel_values" not in forward_parameters(model):
+        return {}
+    try:
+        images = image_inputs(model, model.config, batch, torch.Generator().manual_seed(0))
+    except Exception:  # noqa: BLE001 - a config that does not spell its vision sizes as expected: no images
+        return {}
+    return {key: value.to("meta") if value.is_floating_point() else value for key, value in images.items()}

@@ -122,7 +122,7 @@ def resolve(name: str, head: str | None = None) -> Target:
     when the type has several; by default, `default_head`'s. `TYPE:HEAD` says the same in one word (what a
     generated file's header records, so `build --check` rebuilds the same head).
     """
-    if "." in name:
+    if "." in name and name.partition(":")[0] not in _config_types():  # `kosmos-2.5` is a model type
         if head is not None:
             raise InputError(f"--head applies to model types, not to the module path {name!r}")
         return resolve_module(name)
@@ -193,6 +193,12 @@ def resolve_model_type(name: str, head: str | None = None) -> Target:
         model_class = model_class[0]
     source = name if chosen == default else f"{name}:{chosen}"
     return Target(name, model_class, config_class, sys.modules[model_class.__module__], source=source, head=chosen)
+
+
+def _config_types():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return CONFIG_MAPPING_NAMES
 
 
 def _head_named(model_type: str, head: str) -> str:
