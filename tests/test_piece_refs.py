@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from fusegen.compiler import astutil
 from fusegen.compiler.build import analyse
 from fusegen.compiler.piece_refs import guarded_against, isinstance_guards, rewritable, rewrite_piece_references
+from fusegen.core import astutil
 from fusegen.runtime import MergedColumnLinear, merged_piece
 
 

@@ -36,7 +36,8 @@ import copy
 
 from torch import nn
 
-from fusegen.compiler import astutil
+from fusegen.core import astutil
+from fusegen.core.plan import merged_linears
 
 PIECE = "merged_piece"
 """The runtime function a rewritten read calls (`fusegen.runtime.linear.merged_piece`)."""
@@ -178,8 +179,6 @@ def rewrite_piece_references(classdef: ast.ClassDef, namespace: dict, pieces: di
 
 def piece_table(model: nn.Module, outcomes) -> dict[type, dict[str, tuple]]:
     """`{fused original class: {projection: (merged name, row index)}}` of the merged linears in `outcomes`."""
-    from fusegen.compiler.plan import merged_linears
-
     classes = {type(module).__name__: type(module) for module in model.modules()}
     table: dict[type, dict[str, tuple]] = {}
     for outcome in outcomes:

@@ -33,6 +33,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fusegen.compiler.inputs import model_config, random_input, random_model
+from fusegen.compiler.modal_inputs import forward_inputs, image_features
+from fusegen.compiler.propagate import PREFIX
+from fusegen.compiler.shrink import ShrinkError, rule_for, tiny_config
 from fusegen.errors import first_line as _first_line
 from fusegen.errors import short_error as _short
 
@@ -135,8 +139,6 @@ def validate(target, text: str, checkpointing: bool = False) -> Validation:
 
 
 def _validate_into(validation: Validation, target, text: str, tiny_steps: tuple[str, ...]) -> None:
-    from fusegen.compiler.shrink import ShrinkError, tiny_config
-    from fusegen.testkit import model_config
 
     with _quiet(), _isolated(text, target) as module:
         fused_class = getattr(module, "Fused" + target.causal_lm.__name__, None)
@@ -204,7 +206,6 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
     and 3e-19 in fp64), while any real fault still moves results by orders of magnitude more. fp32 when the
     original does not run in fp64 (a kernel without a double version).
     """
-    from fusegen.testkit import random_input, random_model
 
     try:
         original = random_model(original_class, config).to(dtype)
@@ -299,7 +300,6 @@ def _unused(original: nn.Module, fused: nn.Module, merging: set[str]) -> list[st
 
     Logits cannot show this fault: the fused model would silently run the original class there.
     """
-    from fusegen.compiler.propagate import PREFIX
 
     built = {type(module).__name__ for module in fused.modules()}
     originals = {type(module).__name__ for module in original.modules()}
@@ -362,8 +362,6 @@ def _inputs(original, config, input_ids: torch.Tensor):
     """What both models are run on: `input_ids` alone for a model whose forward reads only text (a causal LM), else
     the whole batch its forward takes, images, audio and decoder tokens included
     (`fusegen.compiler.modal_inputs.forward_inputs`), so a vision tower or an encoder is run, and compared, too."""
-    from fusegen.compiler.modal_inputs import forward_inputs
-
     inputs = forward_inputs(original, config, input_ids)
     return input_ids if set(inputs) == {"input_ids", "attention_mask"} else inputs
 
@@ -378,8 +376,6 @@ def _call(model, inputs, **options):
 def _image_features(model, inputs):
     """The vision path's output on the batch's images, flattened (compared like logits: a fused vision tower whose
     result the language model happens to dampen still shows), or None without images."""
-    from fusegen.compiler.modal_inputs import image_features
-
     if not isinstance(inputs, dict) or "pixel_values" not in inputs:
         return None
     with torch.no_grad():
@@ -537,8 +533,6 @@ def construction_variants(
     never names can still decide the structure through the config (Jamba's `attn_layer_offset` makes
     `layers_block_type`).
     """
-    from fusegen.compiler.shrink import tiny_config
-    from fusegen.testkit import model_config
 
     seen = {_structure(target, config)}
     variants = []
@@ -600,8 +594,6 @@ def dependent_variants(target, config, read, reshrinks: bool, sub_configs: bool 
     """
     if not reshrinks:
         return []
-    from fusegen.compiler.shrink import tiny_config
-    from fusegen.testkit import model_config
 
     found = _dependent_on(
         target, config, config, read, lambda changes: model_config(target, tiny_config(config, **changes))
@@ -720,8 +712,6 @@ def _reshrinks_to_itself(target, config) -> bool:
     each variant is instead `config` itself with the field replaced, derived fields as they were: a derived field
     left stale can only make a variant that builds the tiny model again, which is then dropped (a missed variant).
     """
-    from fusegen.compiler.shrink import tiny_config
-    from fusegen.testkit import model_config
 
     try:
         return _construction_dict(model_config(target, tiny_config(config))) == _construction_dict(config)
@@ -805,9 +795,8 @@ def _type_hints(cls) -> dict[str, str]:
 
 def _small_int(name: str) -> int:
     """A value for an unset integer field: what `fusegen.compiler.shrink` would make of a large one, else 2."""
-    from fusegen.compiler.shrink import _rule_for
 
-    rule = _rule_for(name)
+    rule = rule_for(name)
     return rule(1 << 20) if callable(rule) else 2
 
 
