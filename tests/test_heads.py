@@ -69,4 +69,5 @@ def test_bert_style_query_key_value_merge_into_qkv_proj():
     assert QKV().merged_name(["query", "key", "value"]) == "qkv_proj"
     assert QKV().merged_name(["query_proj", "key_proj", "value_proj"]) == "qkv_proj"
     assert QKV().merged_name(["q_proj", "k_proj", "v_proj"]) == "qkv_proj"
+    assert QKV().merged_name(["q", "k", "v"]) == "qkv_proj"  # T5
     assert QKV().merged_name(["to_q", "to_k", "to_v"]) == "to_qkv"

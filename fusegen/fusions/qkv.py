@@ -32,9 +32,12 @@ class QKV(LinearKind):
         return [self.plan(qkv, ("q", "k", "v"))], [node for node in nodes if node.target not in qkv]
 
     def merged_name(self, names: list[str]) -> str:
-        """`qkv_proj` for BERT-style `query`/`key`/`value` too (`query_proj`... likewise), as vLLM and the serving
-        tools that follow it name the merged linear; `q_proj`-style names join as every kind joins them."""
+        """`qkv_proj` for BERT-style `query`/`key`/`value` (`query_proj`... likewise) and T5's bare `q`/`k`/`v` too,
+        as vLLM and the serving tools that follow it name the merged linear; `q_proj`-style names join as every kind
+        joins them."""
         joined = join_names(names)
+        if joined == "qkv":  # T5's bare `q`, `k`, `v`
+            return "qkv_proj"
         if "query_key_value" not in joined:
             return joined
         short = joined.replace("query_key_value", "qkv")
