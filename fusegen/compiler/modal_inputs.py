@@ -14,7 +14,8 @@ processor would lay it out:
   vision start/end tokens when the config has them (Qwen-VL's rope index looks for the start token), with
   `token_type_ids` marking them where the forward takes those (Gemma 3's bidirectional image attention).
 - audio: `input_features` of `(batch, mel bins, 2 * max_source_positions)` (Whisper's two stride-2 convolutions).
-- decoder tokens for an encoder-decoder (`decoder_input_ids`), random ids as the text.
+- decoder tokens for an encoder-decoder (`decoder_input_ids`), random ids as the text; encoder states for a
+  decoder-only head with cross-attention (`encoder_hidden_states`), where the original runs with them.
 
 Everything is drawn from a seeded generator, so the original and the fused model see the very same batch.
 """
@@ -44,14 +45,39 @@ def forward_inputs(model: nn.Module, config, input_ids: torch.Tensor, seed: int 
     with it is run once on `model` (the original), and built again without it if that fails.
     """
     inputs = _forward_inputs(model, config, input_ids, seed)
-    if "image_sizes" not in inputs:
-        return inputs
+    if "image_sizes" in inputs and not _runs(model, inputs):
+        inputs = _forward_inputs(model, config, input_ids, seed, image_sizes=False)
+    states = encoder_states(model, config, input_ids, seed)
+    if states is not None and _runs(model, {**inputs, "encoder_hidden_states": states}):
+        inputs["encoder_hidden_states"] = states
+    return inputs
+
+
+def _runs(model: nn.Module, inputs: dict) -> bool:
+    """Whether `model` (the original) runs on `inputs`."""
     try:
         with torch.no_grad():
             model(**inputs)
-    except Exception:  # noqa: BLE001 - the model does not take them: the batch without them
-        return _forward_inputs(model, config, input_ids, seed, image_sizes=False)
-    return inputs
+    except Exception:  # noqa: BLE001 - it does not: the caller builds the batch without what it tried
+        return False
+    return True
+
+
+def encoder_states(model: nn.Module, config, input_ids: torch.Tensor, seed: int) -> torch.Tensor | None:
+    """Encoder states `(batch, half the length, hidden)` for a decoder-only head whose forward takes
+    `encoder_hidden_states` (ProphetNet's, BART's, Whisper's causal LMs): their cross-attention runs only with
+    them. Sent only where the original runs with them (`forward_inputs`): a BERT-style head without
+    cross-attention layers refuses them. None for other models."""
+    parameters = forward_parameters(model)
+    if "encoder_hidden_states" not in parameters or "decoder_input_ids" in parameters:  # a whole seq2seq model
+        return None
+    width = getattr(config.get_text_config(decoder=True), "hidden_size", None)
+    if not isinstance(width, int):
+        return None
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    generator = torch.Generator().manual_seed(seed + 7)
+    shape = (input_ids.shape[0], max(input_ids.shape[1] // 2, 1), width)
+    return torch.randn(*shape, generator=generator).to(dtype)
 
 
 def _forward_inputs(model: nn.Module, config, input_ids: torch.Tensor, seed: int, image_sizes: bool = True) -> dict:
