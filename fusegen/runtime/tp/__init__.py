@@ -24,20 +24,19 @@ The pieces, for a generated file with a `TP_PLAN`:
   `fused_qkv_a_proj`, which keeps `mla_kv_a_proj`: the rope key's gradient is all-reduced, and those columns are
   still the merged output's last), splits q_b/kv_b by heads and o_proj by rows, and replicates the norms.
 
-The merged parameters' placement, `MergedRowShard`, says what each process holds (its rows of every piece), so
-`full_tensor()`, gradients and saving see the true merged weight; `model.state_dict()` lists the canonical pieces as
-`Shard(0)` DTensors for distributed checkpointing (`_canonical_state_dict`).
+The merged parameters' placement, `MergedRowShard`, says what each process holds (its rows of every piece, kv heads
+replicated over processes included), so `full_tensor()`, redistributing, gradients and saving see the true merged
+weight; `model.state_dict()` lists the canonical pieces for distributed checkpointing (`fusegen.runtime.distributed`).
 
 Loading reads only each process's slices where the layout allows: Transformers' shard-on-read slices every checkpoint
 tensor by the placement of the parameter it feeds, one piece at a time, and `MergedRowShard` reads as `Shard(0)`, so
 the merged parameter gets exactly rows `[r*n, (r+1)*n)` of q, of k and of v. Replicated kv heads cannot be expressed
-as a placement; such a `qkv_proj` is read whole (one layer at a time) and `PartitionedConcatenate` keeps this
-process's rows.
+as a placement Transformers' loader reads by; such a `qkv_proj` is read whole (one layer at a time),
+`PartitionedConcatenate` keeps this process's rows, and once loaded it takes its `MergedRowShard` (`describe_loaded`).
 
 This module is imported when a fused model is first built, not when a generated file is imported.
 
-The modules: `partition` (which rows each process keeps), `styles` (the two styles, the placement, the canonical
-state-dict hooks), `replicated_kv` (loading and saving replicated kv heads), `plans` (the run-time plan and its
+The modules: `partition` (which rows each process keeps), `styles` (the two styles, the placement), `replicated_kv` (loading and saving replicated kv heads), `plans` (the run-time plan and its
 checks), `packed` (packed q/k/v of the original classes, which no generated file uses). The compiler derives a
 generated file's `TP_PLAN` (`fusegen.compiler.mappings.fused_plan_from`).
 """

@@ -27,7 +27,6 @@ from .styles import (
     MergedColumnParallel,
     model_label,
     qkv_sizes,
-    register_canonical_hooks,
 )
 
 
@@ -80,13 +79,6 @@ def init_fused_parallel_plans(model: PreTrainedModel, tp_plan: Mapping[str, str]
         use_partitioned_concatenate(type(model).__name__)
         for path, module in model.named_modules():  # modules have no path (linears no config) to name in errors
             module.tp_name = f"{model_label(model.config)} ({path})"
-            if getattr(module, "output_sizes", None) is not None:
-                pieces = stacked.get(path.rpartition(".")[2])
-                if pieces:  # canonical names for distributed checkpoints, see _canonical_state_dict
-                    module.tp_piece_names = [
-                        piece[0] if isinstance(piece, (tuple, list)) else piece for piece in pieces
-                    ]
-        register_canonical_hooks(model)
 
 
 def _generic(path: str) -> str:

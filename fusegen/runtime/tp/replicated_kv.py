@@ -43,9 +43,9 @@ class PartitionedSplit(MergedColumnSplit):
 
     Transformers gathers each DTensor (`full_tensor()`) before saving; a `MergedRowShard` merged parameter then
     arrives as the true merged tensor, split here by the full piece sizes (not the local `output_sizes`). (The
-    state-dict hook usually hands the pieces over already split; this covers a merged tensor that still arrives.)
-    Replicated kv heads arrive as one process's rows only (a `Replicate` DTensor gathers nothing), so saving them
-    is refused rather than written wrong.
+    state-dict hooks of `fusegen.runtime.distributed` usually hand the pieces over already split; this covers a
+    merged tensor that still arrives.) Replicated kv heads gather whole too (`MergedRowShard.assemble`). Anything
+    but the whole merged tensor is refused, never written wrong.
     """
 
     @torch.no_grad()
@@ -56,11 +56,6 @@ class PartitionedSplit(MergedColumnSplit):
         if partition is None:
             return super().convert(
                 input_dict, source_patterns, target_patterns, full_layer_name=full_layer_name, model=model, **kwargs
-            )
-        if not partition.shard_on_read:
-            raise ValueError(
-                f"{full_layer_name}: cannot save a tensor-parallel model whose kv heads are replicated "
-                f"(N={partition.world_size}); save it from a single process instead"
             )
         tensor = tensors_of(next(iter(input_dict.values())))[0]
         if tensor.shape[self.dim] != sum(partition.full_sizes):

@@ -1,18 +1,16 @@
 """The parallel styles of fused models: `LocalHeadsParallel` on an attention module, `MergedColumnParallel` on each
-merged linear, the merged parameters' placement (`MergedRowShard`) and the canonical state-dict hooks.
+merged linear, and the merged parameters' placement (`MergedRowShard`, `describe_loaded`).
 
 `LocalHeadsParallel` checks the head counts against the number of processes N, raising a `ValueError` that names the
 model, the sizes and N, and sets the module's head counts to this process's. `MergedColumnParallel` replaces the
 merged weight and bias by this process's rows of each piece, sets `output_sizes` to the local piece sizes (the
 generated forward splits by it), and keeps inputs and outputs local. `MergedRowShard` says what each process holds
-(its rows of every piece), so `full_tensor()`, gradients and saving see the true merged weight;
-`model.state_dict()` lists the canonical pieces as `Shard(0)` DTensors for distributed checkpointing
-(`_canonical_state_dict`).
+(its rows of every piece, kv heads replicated over processes included), so `full_tensor()`, redistributing,
+gradients and saving see the true merged weight; `model.state_dict()` lists the canonical pieces for distributed
+checkpointing (`fusegen.runtime.distributed`, for every DTensor placement).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -23,6 +21,7 @@ try:  # Transformers >= 5.21 keeps the style registry in parallel_utils, 5.20 in
 except ImportError:
     from transformers.distributed.tensor_parallel import _AllReduceBackward
 
+from ..layout import require_contiguous
 from ..linear import absent_bias_pieces
 from .partition import RowPartition, check_head_counts, partition_rows
 
@@ -115,9 +114,10 @@ class MergedColumnParallel(TensorParallelLayer):
                 f"{model_name(module)}: the {MERGED_COLWISE!r} rule cannot be honoured: {type(module).__name__} is "
                 f"not a merged linear (it has no output_sizes to split piece by piece)"
             )
+        require_contiguous(module, f"{model_name(module)}: tensor parallelism ({MERGED_COLWISE})")
         partition = _partition(module, mesh)
         module._parameters[param] = nn.Parameter(
-            _local_dtensor(tensor, partition, mesh), requires_grad=tensor.requires_grad
+            _local_dtensor(module, tensor, partition, mesh), requires_grad=tensor.requires_grad
         )
 
     def transform_inputs_pre_forward(self, module, args, kwargs, mesh):
@@ -175,7 +175,9 @@ def replicated_rows_summed(partition: RowPartition, group):
             torch.distributed.all_reduce(buffer, group=group)
             rows.copy_(buffer[start // size])
         if isinstance(grad, DTensor):
-            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+            return DTensor.from_local(
+                local, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride()
+            )
         return local
 
     return hook
@@ -197,6 +199,10 @@ def _partition(module: nn.Module, mesh) -> RowPartition:
     replicable = getattr(module, "tp_replicable", None) or [False] * len(full_sizes)
     partition = partition_rows(full_sizes, units, replicable, world_size, rank, what=model_name(module))
     module.tp_partition = partition
+    module.tp_layout = tuple(
+        partition_rows(full_sizes, units, replicable, world_size, other, what=model_name(module)).starts
+        for other in range(world_size)
+    )
     module.output_sizes[:] = partition.sizes  # in place: the owner's `<merged>_sizes` is this same list
     return partition
 
@@ -213,36 +219,74 @@ def _merged_row_shard_class():
         """Placement of a merged linear's weight (or bias) under tensor parallelism: what each process really holds.
 
         The global tensor is the true merged weight `[p_0; p_1; ...]` (pieces of `full_sizes` rows, e.g. q, k, v);
-        process r of N holds block r of every piece, stacked: `[p_0 block r; p_1 block r; ...]`. No built-in
-        placement says that (`Shard(0)` would mean rows `[r*n, (r+1)*n)` of the merged tensor; `_StridedShard` only
-        fits equal pieces), so gathering (`full_tensor()`, redistributing to `Replicate`, saving) re-orders the
-        gathered blocks piece by piece; gradients and optimizer states share the parameter's placement.
+        process r holds, stacked, `sizes[i]` rows of each piece i from row `starts[r][i]` of that piece: block r of
+        q, and block r of k and v, or, with fewer kv heads than processes, the kv head its query heads read (the
+        same rows on the N/KV processes sharing it). No built-in placement says that (`Shard(0)` would mean rows
+        `[r*n, (r+1)*n)` of the merged tensor; `_StridedShard` only fits equal pieces), so gathering
+        (`full_tensor()`, redistributing to `Replicate`) puts each piece together from the processes' blocks, each
+        row taken once (`assemble`), and going back to this placement keeps each process's rows (`select_local`).
+        Gradients and optimizer states share the parameter's placement.
 
         It compares equal to `Shard(0)` on purpose: DTensor validates shard placements against `Shard(dim)`, and
         Transformers' loader must read each checkpoint piece as `Shard(0)` (block r of q, of k, of v), which is
-        exactly this layout. The hash differs, so DTensor's caches keep the two apart. Distributed checkpointing
-        sees the canonical pieces instead, see `_canonical_state_dict`.
+        exactly this layout when every piece is split evenly (`even_pieces`). A merged linear with replicated kv
+        heads is read whole instead, as `Replicate`, and takes this placement once loaded (`describe_loaded`).
+        The hash differs, so DTensor's caches keep the two apart. Distributed checkpoints see the canonical pieces
+        (`fusegen.runtime.distributed`).
         """
 
-        def __init__(self, full_sizes):
+        def __init__(self, full_sizes, sizes, starts):
             super().__init__(0)
             self.full_sizes = tuple(int(size) for size in full_sizes)
+            self.sizes = tuple(int(size) for size in sizes)
+            self.starts = tuple(tuple(int(start) for start in rank) for rank in starts)
 
         def __eq__(self, other):
             if type(other) is type(self):
-                return other.full_sizes == self.full_sizes
+                return (other.full_sizes, other.sizes, other.starts) == (self.full_sizes, self.sizes, self.starts)
             return type(other) is Shard and other.dim == self.dim
 
         def __hash__(self):
-            return hash(("fusegen.MergedRowShard", self.full_sizes))
+            return hash(("fusegen.MergedRowShard", self.full_sizes, self.sizes, self.starts))
 
         def __repr__(self):
-            return f"MergedRowShard(full_sizes={list(self.full_sizes)})"
+            return f"MergedRowShard(full_sizes={list(self.full_sizes)}, sizes={list(self.sizes)})"
+
+        @property
+        def even_pieces(self) -> bool:
+            """Process r holds block r of N equal blocks of every piece (its rows are its `Shard(0)` chunk of it)."""
+            world_size = len(self.starts)
+            return all(
+                size * world_size == full and starts[i] == rank * size
+                for rank, starts in enumerate(self.starts)
+                for i, (full, size) in enumerate(zip(self.full_sizes, self.sizes))
+            )
+
+        def select_local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+            """Process `rank`'s rows of the whole merged tensor `full`."""
+            offsets = [sum(self.full_sizes[:i]) for i in range(len(self.full_sizes))]
+            rows = zip(offsets, self.starts[rank], self.sizes)
+            return torch.cat([full.narrow(0, offset + start, size) for offset, start, size in rows])
+
+        def assemble(self, blocks) -> torch.Tensor:
+            """The whole merged tensor from every process's local tensor (`blocks[r]`), each row taken once."""
+            pieces = []
+            for i, (full, size) in enumerate(zip(self.full_sizes, self.sizes)):
+                found = {}
+                for rank, block in enumerate(blocks):
+                    found.setdefault(self.starts[rank][i], block.split(list(self.sizes), dim=0)[i])
+                if sorted(found) != list(range(0, full, size)):
+                    raise ValueError(f"{self!r}: the processes' rows do not cover piece {i} ({sorted(found)})")
+                pieces.extend(found[start] for start in sorted(found))
+            return torch.cat(pieces, dim=0)
 
         def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
             count = mesh.size(mesh_dim=mesh_dim)
             gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=0, group=(mesh, mesh_dim))
-            return _unblock(gathered, self.full_sizes, count)
+            return self.assemble(gathered.chunk(count, dim=0))
+
+        def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
+            return self.select_local(local_tensor, int(shard_index)).clone()
 
     _MERGED_ROW_SHARD = MergedRowShard
     return MergedRowShard
@@ -251,23 +295,19 @@ def _merged_row_shard_class():
 _MERGED_ROW_SHARD = None
 
 
-def _unblock(gathered: torch.Tensor, full_sizes: Sequence[int], world_size: int) -> torch.Tensor:
-    """The processes' blocks one after the other (`[q0 k0 v0 q1 k1 v1]`) -> the merged tensor (`[q k v]`).
-
-    Valid for evenly split pieces only (each process holds `full // N` rows of each), which is when
-    `MergedRowShard` is used.
-    """
-    local_sizes = [size // world_size for size in full_sizes]
-    blocks = [block.split(local_sizes, dim=0) for block in gathered.split(sum(local_sizes), dim=0)]
-    return torch.cat([block[piece] for piece in range(len(local_sizes)) for block in blocks], dim=0)
+def merged_row_shard(module: nn.Module):
+    """The honest placement of `module`'s (a tensor-parallel merged linear's) parameters."""
+    partition = module.tp_partition
+    return _merged_row_shard_class()(partition.full_sizes, partition.sizes, module.tp_layout)
 
 
-def _local_dtensor(tensor: torch.Tensor, partition: RowPartition, mesh):
+def _local_dtensor(module: nn.Module, tensor: torch.Tensor, partition: RowPartition, mesh):
     """This process's rows as a DTensor whose placement says what it holds.
 
     Evenly split pieces: `MergedRowShard` (global view = the true merged tensor, so `full_tensor()` is it). Replicated
-    kv heads (fewer kv heads than processes) are marked `Replicate`, which is exact for the kv rows but not for q;
-    such models cannot be saved or checkpointed from several processes (refused in `PartitionedSplit`).
+    kv heads (fewer kv heads than processes) are marked `Replicate` while Transformers loads them (so it reads the
+    pieces whole, see `PartitionedConcatenate`) and take their `MergedRowShard` when loading is done
+    (`describe_loaded`).
     A meta tensor (inside `from_pretrained`) becomes a meta placeholder of the local shape; a real one (already
     loaded) keeps its own rows.
     """
@@ -280,82 +320,32 @@ def _local_dtensor(tensor: torch.Tensor, partition: RowPartition, mesh):
         local = torch.cat([tensor.detach().narrow(0, start, size) for start, size in partition.merged_rows()])
     if partition.shard_on_read:
         shape = (sum(partition.full_sizes), *tensor.shape[1:])
-        placement = _merged_row_shard_class()(partition.full_sizes)
-    else:
+        placement = merged_row_shard(module)
+    else:  # read whole: labelled Replicate while Transformers loads it, then `describe_loaded`
         shape, placement = tuple(local.shape), Replicate()
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, [placement], run_check=False, shape=shape, stride=stride)
 
 
-def _canonical_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    """State-dict hook of a tensor-parallel merged linear: its tensors as the canonical pieces, each `Shard(0)`.
+def describe_loaded(model: nn.Module) -> None:
+    """After a tensor-parallel load: merged parameters read whole (replicated kv heads, labelled `Replicate` for
+    Transformers' loader) take their honest `MergedRowShard`, whose global tensor is the true merged weight."""
+    from torch.distributed.tensor import DTensor, Replicate
 
-    Distributed checkpointing (torch.distributed.checkpoint) describes each process's data as one box of the
-    global tensor, which the merged layout is not (block r of q, of k, of v). Each piece's block IS one box of the
-    piece, so `dcp.save(model.state_dict())` writes the checkpoint's own q/k/v tensors, and `dcp.load` fills the
-    pieces in place (they are views of the merged parameter). Only for evenly split, materialised parameters.
-    """
-    from torch.distributed.tensor import DTensor, Shard
-
-    partition = getattr(module, "tp_partition", None)
-    pieces = getattr(module, "tp_piece_names", None)
-    if partition is None or not partition.shard_on_read or not pieces:
-        return
-    owner = prefix[:-1].rpartition(".")[0]
-    for leaf in ("weight", "bias"):
-        value = state_dict.get(prefix + leaf)
-        if not isinstance(value, DTensor) or value.is_meta:
+    for module in model.modules():
+        partition = getattr(module, "tp_partition", None)
+        if partition is None or partition.shard_on_read or getattr(module, "tp_layout", None) is None:
             continue
-        local, offset = value.to_local(), 0
-        del state_dict[prefix + leaf]
-        for name, full, size in zip(pieces, partition.full_sizes, partition.sizes):
-            view = local.narrow(0, offset, size)
-            shape = (full, *local.shape[1:])
-            state_dict[f"{owner}.{name}.{leaf}" if owner else f"{name}.{leaf}"] = DTensor.from_local(
-                view,
-                value.device_mesh,
-                [Shard(0)],
-                run_check=False,
-                shape=shape,
-                stride=torch.empty(shape, device="meta").stride(),
-            )
-            offset += size
-
-
-def _merged_from_canonical(attribute, owner, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    """Load-state-dict pre-hook of the module owning merged linear `attribute`, the inverse of
-    `_canonical_state_dict`: canonical pieces are copied into their rows (registered on the owner because
-    `load_state_dict` hands each module only the keys under its own prefix)."""
-    module = getattr(owner, attribute, None)
-    partition = getattr(module, "tp_partition", None)
-    pieces = getattr(module, "tp_piece_names", None)
-    if partition is None or not partition.shard_on_read or not pieces:
-        return
-    for leaf in ("weight", "bias"):
-        keys = [f"{prefix}{name}.{leaf}" for name in pieces]
-        if not all(key in state_dict for key in keys):
-            continue
-        parameter = getattr(module, leaf)
-        with torch.no_grad():
-            local, offset = parameter.to_local(), 0
-            for key, size in zip(keys, partition.sizes):
-                value = state_dict.pop(key)
-                value = value.to_local() if hasattr(value, "to_local") else value
-                rows = local.narrow(0, offset, size)
-                if value.data_ptr() != rows.data_ptr():  # dcp.load into state_dict() views already wrote them
-                    rows.copy_(value)
-                offset += size
-        state_dict[f"{prefix}{attribute}.{leaf}"] = parameter
-
-
-def register_canonical_hooks(model: nn.Module) -> None:
-    """`_canonical_state_dict` on each merged linear, `_merged_from_canonical` on its owner (once per module)."""
-    from functools import partial
-
-    for path, module in model.named_modules():
-        if getattr(module, "tp_piece_names", None) and not getattr(module, "_fusegen_tp_hooks", False):
-            owner_path, _, attribute = path.rpartition(".")
-            owner = model.get_submodule(owner_path) if owner_path else model
-            module._register_state_dict_hook(_canonical_state_dict)
-            owner._register_load_state_dict_pre_hook(partial(_merged_from_canonical, attribute), with_module=True)
-            module._fusegen_tp_hooks = True
+        placement = merged_row_shard(module)
+        for leaf in ("weight", "bias"):
+            parameter = module._parameters.get(leaf)
+            if not isinstance(parameter, DTensor) or list(parameter.placements) != [Replicate()]:
+                continue
+            local = parameter.to_local()
+            shape = (sum(partition.full_sizes), *local.shape[1:])
+            stride = torch.empty(shape, device="meta").stride()
+            honest = DTensor.from_local(local, parameter.device_mesh, [placement], run_check=False, shape=shape,
+                                        stride=stride)  # fmt: skip
+            relabelled = nn.Parameter(honest, requires_grad=parameter.requires_grad)
+            relabelled.__dict__.update(parameter.__dict__)  # Transformers' flags (`_is_hf_initialized`: loaded)
+            module._parameters[leaf] = relabelled
