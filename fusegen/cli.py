@@ -53,6 +53,14 @@ def colourise(diff: str) -> str:
     return "".join(out)
 
 
+_HEAD_HELP = (
+    "the class to build when the model type registers several: image-text-to-text, multimodal-lm, causal-lm, "
+    "seq2seq-lm, speech-seq2seq, base, text-encoding, masked-lm, dual-encoder, sequence-classification, "
+    "token-classification, or a class name (BertForMaskedLM); default: the one a user would serve "
+    "(`TYPE:HEAD` says the same per target)"
+)
+
+
 def make_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     loudness = common.add_mutually_exclusive_group()
@@ -73,6 +81,7 @@ def make_parser() -> argparse.ArgumentParser:
     build.add_argument("--diff", action="store_true", help="write nothing; print the diff of each stale file")
     build.add_argument("--all", action="store_true", help="every causal-LM model type of the installed Transformers")
     build.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes for --all (default 1)")
+    build.add_argument("--head", default=None, metavar="HEAD", help=_HEAD_HELP)
     build.set_defaults(handler=_build)
 
     diff = commands.add_parser("diff", parents=[common], help="show what fusion changed in each generated class")
@@ -84,11 +93,13 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where the files are (default: generated)",
     )
+    diff.add_argument("--head", default=None, metavar="HEAD", help=_HEAD_HELP)
     diff.set_defaults(handler=_diff)
 
     report = commands.add_parser("report", parents=[common], help="show what would be fused or refused, and why")
     report.add_argument("targets", nargs="+", metavar="TARGET")
     report.add_argument("--json", action="store_true", help="print the outcomes as JSON")
+    report.add_argument("--head", default=None, metavar="HEAD", help=_HEAD_HELP)
     report.set_defaults(handler=_report)
 
     listing = commands.add_parser("list", parents=[common], help="model types and what fusegen made of them")
@@ -118,6 +129,8 @@ def _build(args, console: Console) -> int:
     if args.all:
         if args.targets or args.check or args.diff:
             raise InputError("--all takes no TARGET and cannot be combined with --check or --diff")
+        if args.head is not None:
+            raise InputError("--all builds each model type's default head; --head needs TARGETs")
         return _build_all(args, console)
     targets = list(dict.fromkeys(args.targets))
     if not targets:
@@ -131,10 +144,12 @@ def _build(args, console: Console) -> int:
         if not targets:
             raise InputError(f"no fused_*.py files in {args.output_dir} to check")
 
-    results = [build(target) for target in targets]  # all or nothing: any error writes no file
+    if args.head is not None and not args.targets:
+        raise InputError("--head needs TARGETs (with --check alone, each file's header names its head)")
+    results = [build(_headed(target, args.head)) for target in targets]  # all or nothing: any error writes no file
     status = EXIT_OK
     for result in results:
-        path = output_path(args.output_dir, result.target.model_type)
+        path = output_path(args.output_dir, result.target.file_stem)
         if result.text is None:
             console.info(
                 f"{result.target.source}: nothing fused, no file written "
@@ -164,6 +179,15 @@ def _build(args, console: Console) -> int:
         if result.validation is not None:
             console.detail(f"  validated against the original: {result.validation.describe()}")
     return status
+
+
+def _headed(target: str, head: str | None) -> str:
+    """`target` with `--head` applied (`TYPE:HEAD`; a module path is left to `resolve` to reject it with)."""
+    from fusegen.compiler.resolve import resolve
+
+    if head is None:
+        return target
+    return resolve(target, head).source
 
 
 def _summary(result) -> str:
@@ -209,8 +233,8 @@ def _diff(args, console: Console) -> int:
     from fusegen.tools.diff import file_diff, summary
 
     for name in dict.fromkeys(args.targets):
-        target = resolve(name)
-        path = output_path(args.output_dir, target.model_type)
+        target = resolve(_headed(name, args.head))
+        path = output_path(args.output_dir, target.file_stem)
         if path.is_file():
             try:
                 text = path.read_text(encoding="utf-8")
@@ -223,8 +247,8 @@ def _diff(args, console: Console) -> int:
             from fusegen.compiler.build import build
 
             console.info(f"{name}: no {path}; diffing a fresh build instead (nothing is written)")
-            text = build(name).text
-            label = output_path(Path(), target.model_type).stem
+            text = build(target.source).text
+            label = output_path(Path(), target.file_stem).stem
             if text is None:
                 console.info(f"{name}: nothing fused, nothing to diff")
                 continue
@@ -243,7 +267,7 @@ def _report(args, console: Console) -> int:
     from fusegen.compiler.build import analyse
     from fusegen.tools.report import report_data, report_text
 
-    analyses = [analyse(target) for target in dict.fromkeys(args.targets)]
+    analyses = [analyse(_headed(target, args.head)) for target in dict.fromkeys(args.targets)]
     if args.json:
         print(json.dumps(report_data(analyses), indent=2))
     else:

@@ -40,7 +40,7 @@ def test_musicgen_reads_one_row_per_codebook():
 
 
 def test_mllama_gets_image_states_and_has_a_cross_attention_layer_to_read_them():
-    model = _meta_model("mllama")
+    model = _meta_model("mllama:causal-lm")  # the text model with its cross-attention layers
     assert "MllamaCrossAttentionDecoderLayer" in {type(layer).__name__ for layer in model.model.layers}
     extra = extra_inputs(model, 2, 12, _empty)
     assert list(extra) == ["cross_attention_states"]

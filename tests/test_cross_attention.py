@@ -111,7 +111,7 @@ def built(tmp_path_factory):
     modules = {}
     for model_type in CASES:
         path = out / f"fused_{model_type}.py"
-        path.write_text(build(model_type).text)
+        path.write_text(build(f"{model_type}:causal-lm").text)  # the decoder alone, whatever the type serves
         modules[model_type] = import_file(path, f"cross_fused_{model_type}")
     return modules
 
@@ -564,9 +564,9 @@ def test_family_member_with_encoder_states_and_cache(tmp_path, model_type):
     from fusegen.compiler.resolve import resolve
     from fusegen.testkit import tiny_config
 
-    target = resolve(model_type)
+    target = resolve(model_type, "causal-lm")  # the decoder alone, whatever the type serves
     path = tmp_path / f"fused_{model_type.replace('-', '_')}.py"
-    path.write_text(build(model_type).text)
+    path.write_text(build(target.source).text)
     module = import_file(path, f"family_fused_{model_type.replace('-', '_')}")
     config = tiny_config(target, **FAMILY[model_type])
     for name in ("dropout", "attention_dropout", "activation_dropout", "hidden_dropout_prob"):

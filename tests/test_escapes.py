@@ -297,7 +297,7 @@ def _outcomes(model_type):
     [
         ("glm_moe_dsa", "GlmMoeDsaAttention"),
         ("deepseek_v32", "DeepseekV32Attention"),
-        ("dots3_note", "Dots3NoteTextAttention"),
+        ("dots3_note:causal-lm", "Dots3NoteTextAttention"),
         ("axk2", "AXK2Attention"),
     ],
 )

@@ -17,7 +17,7 @@ def test_llama_builds_on_meta_without_memory():
 @pytest.mark.parametrize("model_type", ["ministral", "emu3"])
 def test_known_gaps_in_default_configs_are_filled(model_type):
     # ministral leaves head_dim None; emu3 never sets pad_token_id (transformers 5.24).
-    model = instantiate(resolve(model_type))
+    model = instantiate(resolve(model_type, "causal-lm"))
     assert candidates(model)
 
 
@@ -52,7 +52,7 @@ def test_a_config_that_cannot_be_repaired_is_an_input_error():
     ],
 )
 def test_broken_default_configs_build_from_the_tiny_config(model_type, causal_lm):
-    model = instantiate(resolve(model_type))
+    model = instantiate(resolve(model_type, "causal-lm"))
     assert type(model).__name__ == causal_lm
     assert candidates(model)
 

@@ -204,9 +204,12 @@ def test_a_norm_never_reached_gets_synthetic_hidden_states_as_wide_as_its_weight
         ("bamba", "BambaRMSNormGated"),  # the default cache fails the meta forward before any layer
         ("granitemoehybrid", "GraniteMoeHybridRMSNormGated"),
         ("dbrx", "DbrxAttention"),  # the default config's clip_qkv=None fails the clamp
-        ("mllama", "MllamaTextCrossAttention"),  # skipped by the text-only forward: given cross-attention states
+        (
+            "mllama:causal-lm",
+            "MllamaTextCrossAttention",
+        ),  # skipped by the text-only forward: given cross-attention states
         ("blt", "BltCrossAttention"),
-        ("xlm", "MultiHeadAttention"),  # the model asserts on `lengths.max().item()`: given a mask
+        ("xlm:causal-lm", "MultiHeadAttention"),  # the model asserts on `lengths.max().item()`: given a mask
         ("moss_transcribe_diarize", "MossTranscribeDiarizeAudioLayer"),  # audio only: given no mask
         ("got_ocr2", "GotOcr2VisionAttention"),  # vision only: given (batch, height, width, channels)
         ("gemma3n_text", None),  # its ModuleList of altup projections is no candidate any more

@@ -28,6 +28,7 @@ from fusegen.compiler.analyse import analyse_classes
 from fusegen.compiler.imports import import_block
 from fusegen.compiler.instantiate import candidates, instantiate
 from fusegen.compiler.mappings import checkpoint_classes, stacked_mapping, tensor_parallel
+from fusegen.compiler.piece_refs import PIECE, piece_table, rewrite_piece_references
 from fusegen.compiler.propagate import Emitted, classes_to_emit, fused_name, fused_names, rename_classes
 from fusegen.compiler.reachable import refuse_unreachable
 from fusegen.compiler.render import LINE_LENGTH, render
@@ -117,13 +118,20 @@ def propagate(analysis: Analysis) -> Emission:
     added, and the tables and imports the generated file needs."""
     target, model, outcomes = analysis.target, analysis.model, analysis.outcomes
     emitted = classes_to_emit(target.module, model, analysis.rewritten)
+    pieces = piece_table(model, outcomes)
+    for item in emitted.values():
+        if isinstance(item.classdef, ast.ClassDef):  # reads of a projection kept through the merged rows
+            rewrite_piece_references(item.classdef, vars(item.module), pieces)
     renames = fused_names(emitted)
     add_runtime_base(emitted, model)
     for item in emitted.values():
         rename_classes(item.classdef, renames)
     kind_names = {name for kind in fusions.kinds() for name in kind.runtime_names}
     imports = import_block(
-        emitted, set(renames.values()) | TEMPLATE_NAMES, {REGISTER, REGISTER_AUTO}, {CHECK, MIXIN} | kind_names
+        emitted,
+        set(renames.values()) | TEMPLATE_NAMES,
+        {REGISTER, REGISTER_AUTO} if target.generates else {REGISTER},
+        {CHECK, MIXIN, PIECE} | kind_names,
     )
     plans = merged_linears([plan for outcome in outcomes for plan in outcome.fused])
     scopes = checkpoint_scopes(model, outcomes)
@@ -166,6 +174,7 @@ def render_module(analysis: Analysis, emission: Emission) -> str:
         checkpoint_classes=repr(emission.checkpoint_classes),
         fused_causal_lm=renames[target.causal_lm.__name__],
         scopes=repr(emission.scopes),
+        generates=target.generates,
         exports=repr(sorted(renames.values())),
         **emission.tensor_parallel,
     )

@@ -105,9 +105,10 @@ def import_lines(used: dict[str, tuple[ModuleType | None, str]], runtime_names: 
     standard = sorted(line for line in plain if line.split()[1].partition(".")[0] in sys.stdlib_module_names)
     plain -= set(standard)
     third_party = sorted(plain) + [
-        _from_line(module_name, from_imports[module_name])
+        line
         for module_name in sorted(from_imports)
         if module_name != RUNTIME_MODULE
+        for line in _from_lines(module_name, from_imports[module_name])
     ]
     first_party = [_from_line(RUNTIME_MODULE, from_imports[RUNTIME_MODULE])] if RUNTIME_MODULE in from_imports else []
     # isort's layout: the standard library (`math`), a blank line, third-party imports, a blank line, fusegen's own.
@@ -115,10 +116,19 @@ def import_lines(used: dict[str, tuple[ModuleType | None, str]], runtime_names: 
     return [line for index, group in enumerate(groups) for line in ([""] if index else []) + group]
 
 
+def _from_lines(module_name: str, names: set[str]) -> list[str]:
+    """The module's plain names in one statement, then each aliased name (`a as b`) in one of its own, as isort
+    lays them out by default (ruff's `combine-as-imports = false`)."""
+    plain = {name for name in names if " as " not in name}
+    aliased = sorted(names - plain, key=_isort_key)
+    return ([_from_line(module_name, plain)] if plain else []) + [f"from {module_name} import {a}" for a in aliased]
+
+
 def _from_line(module_name: str, names: set[str]) -> str:
     return f"from {module_name} import {', '.join(sorted(names, key=_isort_key))}"
 
 
 def _isort_key(name: str) -> tuple[int, str]:
-    """isort's order-by-type: CONSTANTS, then Classes, then functions and variables."""
-    return (0 if name.isupper() else 1 if name[:1].isupper() else 2, name)
+    """isort's order-by-type: CONSTANTS, then Classes, then functions and variables; within each, case-insensitively
+    (`Qwen2_5_VisionPatchEmbed` before `Qwen2_5_VLConfig`), as ruff sorts them."""
+    return (0 if name.isupper() else 1 if name[:1].isupper() else 2, name.lower(), name)

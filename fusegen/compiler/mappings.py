@@ -33,13 +33,20 @@ def checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str]
     conversions to its prefix, and the causal LM nests it.
     """
     from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     names = []
     for module in model.modules():
         name = type(module).__name__
         if isinstance(module, PreTrainedModel) and module is not model and name in renames:
             names.append(renames[name])
-    return sorted(set(names)) or [renames[target.causal_lm.__name__]]
+    root = target.causal_lm.__name__
+    if names and root in renames and get_checkpoint_conversion_mapping(root) is not None:
+        # The original root's own class-keyed renames (Qwen2.5-VL's legacy `model.layers.*` -> the nested language
+        # model's keys) are found by class name; the fused root is looked up by its own name, so it is registered
+        # too, carrying them (`register_stacked_checkpoint` copies the original's conversions for each name).
+        names.append(renames[root])
+    return sorted(set(names)) or [renames[root]]
 
 
 def tensor_parallel(model: nn.Module, plans: list[FusionPlan], scopes: dict) -> dict:

@@ -178,7 +178,31 @@ def shrink_values(cls, values: dict[str, Any]) -> dict[str, Any]:
     _fill_unset_heads(cls, values, names)
     _fix_rope(values, names)
     _fix_token_ids(values, names)
+    _fix_image(values)
     return values
+
+
+IMAGE_PATCHES = 4
+"""Patches per side of a tiny vision tower's image: divisible by every pixel-shuffle or merge factor of the vision
+models (2 for Mistral 3, InternVL and the Qwen-VL merger, 4 for SmolVLM), so one image yields a few whole tokens."""
+
+
+def _fix_image(values: dict[str, Any]) -> None:
+    """A vision level's `image_size` as `IMAGE_PATCHES` patches a side (a full-size 896-pixel image is thousands of
+    tokens), and Gemma 3's pooled `mm_tokens_per_image` as a square those patches pool into evenly."""
+    patch, size = values.get("patch_size"), values.get("image_size")
+    if isinstance(patch, (list, tuple)) and patch and all(_is_int(p) for p in patch):
+        new = [p * IMAGE_PATCHES for p in patch]
+        if isinstance(size, (list, tuple)):
+            values["image_size"] = new[: len(size)] if len(size) <= len(new) else [new[0]] * len(size)
+        elif _is_int(size):
+            values["image_size"] = new[0]
+    elif _is_int(patch) and _is_int(size):
+        values["image_size"] = patch * IMAGE_PATCHES
+    elif _is_int(patch) and isinstance(size, (list, tuple)) and all(_is_int(s) for s in size):
+        values["image_size"] = [patch * IMAGE_PATCHES] * len(size)
+    if _is_int(values.get("mm_tokens_per_image")):
+        values["mm_tokens_per_image"] = (IMAGE_PATCHES // 2) ** 2
 
 
 def _canonical_names(cls) -> dict[str, str]:
@@ -403,7 +427,7 @@ RULES: list[tuple[re.Pattern, Any]] = [
             (
                 r"(^|_)(hidden_size|d_model|n_embd|embed_dim|emb_dim|embedding_dim|embedding_size|word_embed_proj_dim"
                 r"|lru_width|attention_hidden_size|hidden_size_global|backbone_hidden_size|input_embedding_size"
-                r"|output_embedding_size|ple_embed_dim|adapter_in_dim|adapter_out_dim|adapter_input_size)$"
+                r"|output_embedding_size|ple_embed_dim|adapter_in_dim|adapter_out_dim|adapter_input_size|projection_dim)$"
             ),
             _to(HIDDEN),
         ),
@@ -414,6 +438,8 @@ RULES: list[tuple[re.Pattern, Any]] = [
         (r"^mamba_d_ssm$", _DERIVED),
         (r"^(time_step_rank|mamba_dt_rank)$", _to(8)),
         (r"^(mamba_n_groups|mamba_ngroups|n_groups)$", _to(1)),
+        # audio frames an encoder reads (Whisper's input is twice as many mel frames)
+        (r"^max_source_positions$", _to(16)),
         # vocabularies and windows
         (r"vocab_size|_vocab$", _to(VOCAB)),
         (
@@ -633,7 +659,20 @@ _DOTS3_SWA = {
     "swa_v_head_dim": HEAD_DIM,
 }
 
+
+def _qwen_vl_mrope(values: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-VL and Qwen2.5-VL split the rotary half-dimension into `mrope_section`, which the default config leaves
+    unset and the modeling code defaults to the full-size [16, 24, 24]: give the tiny head dim its own sections."""
+    text = dict(values.get("text_config") or {})
+    rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1000000.0})
+    head_dim = text.get("hidden_size", HIDDEN) // text.get("num_attention_heads", HEADS)
+    rope.setdefault("mrope_section", _split_proportionally([16, 24, 24], max(head_dim // 2, 3)))
+    return {**values, "text_config": {**text, "rope_parameters": rope}}
+
+
 FIXES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "qwen2_vl": _qwen_vl_mrope,
+    "qwen2_5_vl": _qwen_vl_mrope,
     "gpt_neo": _gpt_neo,
     "mamba2": _mamba2,
     # attention layers are listed explicitly, and the default lists none

@@ -28,6 +28,7 @@ import torch.utils._pytree
 from torch import fx, nn
 
 from fusegen.compiler.inputs import extra_inputs
+from fusegen.compiler.modal_inputs import meta_image_inputs
 from fusegen.core.traced import Trace
 
 UNKNOWN = object()
@@ -416,8 +417,17 @@ def _run(root: nn.Module, length: int, **options) -> bool:
 
     A retry with other `options` only adds the calls of modules not yet recorded (the hook keeps the first call).
     A model that needs more than tokens to run all its classes gets those inputs too (`fusegen.compiler.inputs.extra_inputs`:
-    Mllama's image states, a Gemma 4 assistant's backbone states).
+    Mllama's image states, a Gemma 4 assistant's backbone states). A model whose forward takes images is first run
+    with one (`fusegen.compiler.modal_inputs.meta_image_inputs`), for the calls its vision tower makes.
     """
+    images = meta_image_inputs(root)
+    if images:  # first with an image, so the vision tower's classes record the inputs they really get
+        try:
+            with torch.no_grad():
+                root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"), **images, **options)
+        # placing image features among meta tokens fails after the tower ran; the text-only runs below go on
+        except Exception:  # noqa: BLE001, S110
+            pass
     try:
         extra = extra_inputs(root, 2, length, lambda *shape: torch.empty(*shape, device="meta"))
     except Exception:  # noqa: BLE001 - sizes the config does not spell as expected: tokens alone

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from fusegen.compiler.inputs import model_config, random_input, random_model
+from fusegen.compiler.modal_inputs import forward_inputs, image_features
 from fusegen.compiler.propagate import PREFIX
 from fusegen.compiler.shrink import ShrinkError, rule_for, shrunk_config
 from fusegen.errors import first_line as _first_line
@@ -208,7 +209,7 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
 
     try:
         original = random_model(original_class, config).to(dtype)
-        input_ids = random_input(config)
+        input_ids = _inputs(original, config, random_input(config))
     except Exception as error:  # noqa: BLE001 - upstream code: the original cannot build this config
         raise _Skip(f"the original does not build: {_short(error)}") from None
     fused = None
@@ -228,7 +229,9 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
         _check_finite(expected[0], step, dtype)
         if fused is None:
             fused = _fused_copy(original, fused_class, config, mapping, merging, dtype)
-        actual = _run(_WHERE[step], _step, step, fused, input_ids, expected[2])
+        with _executed(fused, merging) as ran:
+            actual = _run(_WHERE[step], _step, step, fused, input_ids, expected[2])
+        _never_executed(ran, step)
         _agree(check, expected, actual, mapping, _WHERE[step])
         if not full:
             return
@@ -252,9 +255,9 @@ def _step(step: str, model, input_ids, kwargs: dict | None = None) -> tuple:
     """`(logits, gradients or None, eval arguments or None)` of one eval step or one train step."""
     if step == "eval":
         values, used = _eval_logits(model, input_ids, kwargs)
-        return values, None, used
+        return values, None, used, _image_features(model, input_ids)
     values, grads = _train_step(model, input_ids, checkpointing=step == "checkpointing")
-    return values, grads, None
+    return values, grads, None, None
 
 
 def _fused_copy(original, fused_class, config, mapping, merging: set[str], dtype):
@@ -275,8 +278,11 @@ def _fused_copy(original, fused_class, config, mapping, merging: set[str], dtype
 
 def _agree(check: Check, expected, actual, mapping, where: str) -> None:
     """Record the differences of one step, or raise `_Mismatch` when they exceed the tolerances."""
-    (expected_logits, expected_grads, _), (actual_logits, actual_grads, _) = expected, actual
+    expected_logits, expected_grads, _, expected_features = expected
+    actual_logits, actual_grads, _, actual_features = actual
     diff = _logits_diff(expected_logits, actual_logits, where)
+    if expected_features is not None:
+        diff = max(diff, _logits_diff(expected_features, actual_features, f"{where} image features"))
     check.logits_diff = diff if check.logits_diff is None else max(check.logits_diff, diff)
     if expected_grads is not None:
         grad = _grad_diff(expected_grads, actual_grads, mapping, where)
@@ -311,17 +317,17 @@ def _run(where: str, function, *args):
 def _eval_logits(model, input_ids, kwargs: dict | None = None) -> tuple:
     """`(logits, kwargs)` in eval mode. With `kwargs` None (the original): with the model's cache, else once without
     it when only the cache set-up fails; the fused model is then run with exactly the arguments the original took."""
-    mask = torch.ones_like(input_ids)
-    if kwargs is not None:
-        return logits(model, input_ids, attention_mask=mask, **kwargs).double(), kwargs
-    try:
-        return logits(model, input_ids, attention_mask=mask).double(), {}
-    except Exception as error:  # noqa: BLE001 - some models fail only in their cache set-up; try once without
+    with torch.no_grad():
+        if kwargs is not None:
+            return logits_of(_call(model.eval(), input_ids, **kwargs)).double(), kwargs
         try:
-            output = logits(model, input_ids, attention_mask=mask, use_cache=False)
-        except Exception:  # noqa: BLE001 - the first failure is the one worth reporting
-            raise error from None
-        return output.double(), {"use_cache": False}
+            return logits_of(_call(model.eval(), input_ids)).double(), {}
+        except Exception as error:  # noqa: BLE001 - some models fail only in their cache set-up; try once without
+            try:
+                output = _call(model, input_ids, use_cache=False)
+            except Exception:  # noqa: BLE001 - the first failure is the one worth reporting
+                raise error from None
+            return logits_of(output).double(), {"use_cache": False}
 
 
 def _train_step(model, input_ids, checkpointing: bool):
@@ -337,7 +343,7 @@ def _train_step(model, input_ids, checkpointing: bool):
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED + 2)
-            output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+            output = _call(model, input_ids, use_cache=False)
         values = logits_of(output).double()
         cotangent = torch.randn(values.shape, generator=torch.Generator().manual_seed(SEED + 3), dtype=values.dtype)
         (values * cotangent).sum().backward()
@@ -350,6 +356,65 @@ def _train_step(model, input_ids, checkpointing: bool):
         for name, p in model.named_parameters(remove_duplicate=False)
     }
     return values.detach(), grads
+
+
+def _inputs(original, config, input_ids: torch.Tensor):
+    """What both models are run on: `input_ids` alone for a model whose forward reads only text (a causal LM), else
+    the whole batch its forward takes, images, audio and decoder tokens included
+    (`fusegen.compiler.modal_inputs.forward_inputs`), so a vision tower or an encoder is run, and compared, too."""
+    inputs = forward_inputs(original, config, input_ids)
+    return input_ids if set(inputs) == {"input_ids", "attention_mask"} else inputs
+
+
+def _call(model, inputs, **options):
+    """`model` run on `inputs`: token ids with an all-ones mask, or a whole batch (`_inputs`)."""
+    if isinstance(inputs, dict):
+        return model(**inputs, **options)
+    return model(input_ids=inputs, attention_mask=torch.ones_like(inputs), **options)
+
+
+def _image_features(model, inputs):
+    """The vision path's output on the batch's images, flattened (compared like logits: a fused vision tower whose
+    result the language model happens to dampen still shows), or None without images."""
+    if not isinstance(inputs, dict) or "pixel_values" not in inputs:
+        return None
+    with torch.no_grad():
+        features = image_features(model.eval(), inputs)
+    if features is None:
+        return None
+    flat = [features] if isinstance(features, torch.Tensor) else list(features)
+    return torch.cat([tensor.reshape(-1) for tensor in flat]).double()
+
+
+class _executed:
+    """Record which merging fused classes (`merging_classes`) run in the block: `ran[name]` is True once an
+    instance ran, False while none has (classes the model does not build are absent)."""
+
+    def __init__(self, model, merging: set[str]):
+        self.instances = [module for module in model.modules() if type(module).__name__ in merging]
+        self.ran: dict[str, bool] = {type(module).__name__: False for module in self.instances}
+
+    def __enter__(self) -> dict[str, bool]:
+        def hook(module, args):
+            self.ran[type(module).__name__] = True
+
+        self.handles = [module.register_forward_pre_hook(hook) for module in self.instances]
+        return self.ran
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _never_executed(ran: dict[str, bool], step: str) -> None:
+    """A fused class that the model builds but the step never ran was not verified: a mismatch, never a pass (its
+    merged linear may be wrong, and the logits could not show it)."""
+    idle = sorted(name for name, done in ran.items() if not done)
+    if idle and step == "eval":
+        raise _Mismatch(
+            f"{', '.join(idle)} fused but never executed on the validation inputs, so not verified (the model "
+            "builds it; its forward never ran)"
+        )
 
 
 def logits(model, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ast
 import itertools
+import sys
 
 from torch import nn
 
+from fusegen.compiler.piece_refs import guarded_against, isinstance_guards, rewritable
 from fusegen.compiler.scopes import checkpoint_scopes
 from fusegen.core import astutil
 from fusegen.core.plan import ClassOutcome, Refused, Veto, Vetoes, merged_linears
@@ -100,8 +102,13 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes
     The projection no longer exists after fusion, so such code would fail or
     silently skip it. Any `<expr>.<projection>` outside `self.` in the model's
     classes counts: a false alarm costs a fusion, a miss breaks loading.
+
+    Two exceptions (fusegen/compiler/piece_refs.py gives the soundness argument): a read under an isinstance guard
+    that excludes the fused class (`guarded_against`) is no reference to it, and a read under a guard naming
+    exactly the fused class, used only for its `.weight`/`.bias` (`rewritable`), is kept by the emitted copy of
+    the reading class, which reads the piece's rows of the merged linear instead (`rewrite_piece_references`).
     """
-    names = {plan.merged: (o.class_name, plan.projections) for o in outcomes for plan in merged_linears(o.fused)}
+    names = [(plan.merged, o.class_name, plan.projections) for o in outcomes for plan in merged_linears(o.fused)]
     if not names:
         return {}
     vetoes: Vetoes = {}
@@ -111,16 +118,22 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes
         for cls in type(module).__mro__
         if cls.__module__.startswith(("transformers.models.", type(model).__module__))
     }
+    fused_classes = {type(module).__name__: type(module) for module in model.modules()}
     for cls in sorted(classes, key=lambda c: (c.__module__, c.__name__)):
         try:
             classdef = astutil.parse_class(cls)
         except Refused:
             continue
+        namespace = vars(sys.modules[cls.__module__])
+        guards, parent_of = isinstance_guards(classdef, namespace), astutil.parent_map(classdef)
         for node in ast.walk(classdef):
             if not isinstance(node, ast.Attribute) or astutil.self_attr(node):
                 continue
-            for merged, (class_name, projections) in names.items():
-                if node.attr in projections:
+            for merged, class_name, projections in names:
+                fused = fused_classes.get(class_name)
+                if node.attr not in projections or guarded_against(node, guards, fused):
+                    continue
+                if not rewritable(node, guards, fused, parent_of, namespace):
                     vetoes.setdefault(class_name, {}).setdefault(
                         merged,
                         Veto(

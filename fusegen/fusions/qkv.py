@@ -13,7 +13,7 @@ from torch import fx
 
 from fusegen.core.plan import FusionPlan
 from fusegen.fusions import register
-from fusegen.fusions.linear import LinearKind, roles
+from fusegen.fusions.linear import LinearKind, join_names, roles
 
 STEMS = (("q", "k", "v"), ("query", "key", "value"))
 
@@ -30,6 +30,18 @@ class QKV(LinearKind):
         if qkv is None:
             return [], nodes
         return [self.plan(qkv, ("q", "k", "v"))], [node for node in nodes if node.target not in qkv]
+
+    def merged_name(self, names: list[str]) -> str:
+        """`qkv_proj` for BERT-style `query`/`key`/`value` (`query_proj`... likewise) and T5's bare `q`/`k`/`v` too,
+        as vLLM and the serving tools that follow it name the merged linear; `q_proj`-style names join as every kind
+        joins them."""
+        joined = join_names(names)
+        if joined == "qkv":  # T5's bare `q`, `k`, `v`
+            return "qkv_proj"
+        if "query_key_value" not in joined:
+            return joined
+        short = joined.replace("query_key_value", "qkv")
+        return short + "_proj" if short.endswith("qkv") else short
 
     def present(self, names: Iterable[str]) -> bool:
         found = roles(names)

@@ -15,7 +15,7 @@ from .checkpoint import (
     register_stacked_checkpoint,
 )
 from .files import CheckpointError
-from .linear import MergedColumnLinear, linear_pieces
+from .linear import MergedColumnLinear, linear_pieces, merged_piece
 from .loading import load_checkpoint, load_weights
 from .peft import AdapterError
 from .peft import load_adapter as load_adapter_packed
@@ -68,6 +68,7 @@ __all__ = [
     "load_adapter_packed",
     "load_checkpoint",
     "load_weights",
+    "merged_piece",
     "partition_rows",
     "register_fused_causal_lm",
     "register_stacked_checkpoint",

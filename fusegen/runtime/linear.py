@@ -186,3 +186,48 @@ def linear_pieces(
         bias = torch.cat(kept)
     output = F.linear(input, linear.weight[start:stop], bias)
     return tuple(output.split([sizes[piece] for piece in pieces], dim=-1))
+
+
+class MergedPiece:
+    """One projection's rows of a merged linear, as code outside its class saw the projection (`module.q_proj` in
+    an `_init_weights`; the compiler rewrites such a read to `merged_piece(module.qkv_proj, 0)`, see
+    fusegen/compiler/piece_refs.py).
+
+    `weight` and `bias` are views of exactly the piece's rows (`bias` None for a piece without one, as the original
+    projection's is None), so an in-place initialiser writes those rows and nothing else, with the shape (fan-in
+    and fan-out) the projection had: the same values from the same random stream. Each view carries the merged
+    parameter's `_is_hf_initialized` flag, so Transformers' init functions skip a loaded tensor exactly as they
+    skip the loaded projection (a view of a parameter does not inherit its attributes; without the flag a
+    `from_pretrained` would re-initialise the loaded rows). Nothing else of an `nn.Linear` is offered: code that
+    wants more fails on the missing attribute instead of running on something that is not the projection.
+    """
+
+    def __init__(self, linear: nn.Module, index: int) -> None:
+        sizes = list(linear.output_sizes)
+        self._linear, self._index = linear, index
+        self._start, self._size = sum(sizes[:index]), sizes[index]
+        self.in_features, self.out_features = linear.in_features, sizes[index]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return _rows_view(self._linear.weight, self._start, self._size)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = self._linear.bias
+        if bias is None or not self._linear.bias_pieces[self._index]:
+            return None
+        return _rows_view(bias, self._start, self._size)
+
+
+def merged_piece(linear: nn.Module, index: int) -> MergedPiece:
+    """Piece `index` (in `output_sizes` order) of the merged linear `linear`: see `MergedPiece`."""
+    return MergedPiece(linear, index)
+
+
+def _rows_view(parameter: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    view = parameter.narrow(0, start, size)
+    flag = getattr(parameter, "_is_hf_initialized", None)
+    if flag is not None:
+        view._is_hf_initialized = flag
+    return view

@@ -18,6 +18,7 @@ from .files import CANONICAL, FUSED, Checkpoint, CheckpointError, TensorInfo
 from .layout import require_contiguous
 from .linear import absent_bias_pieces
 from .merged import merged_modules, stacked_mapping
+from .renames import model_names
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,10 @@ def plan_load(
     mapping = stacked_mapping(model, stacked)
     targets = model_targets(model, mapping, checkpoint.layout)
     _check_stacked(model, checkpoint, mapping)
-    missing = [group[0] for group in targets.groups if not any(name in checkpoint.infos for name in group)]
-    unexpected = sorted(set(checkpoint.infos) - set(targets.by_name))
+    names = model_names(model, checkpoint.infos, checkpoint.where)  # Transformers' key renames (legacy prefixes)
+    infos = {name: checkpoint.infos[original] for name, original in names.items()}
+    missing = [group[0] for group in targets.groups if not any(name in infos for name in group)]
+    unexpected = sorted(names[name] for name in set(infos) - set(targets.by_name))
     if missing:
         hint = f" (the checkpoint has unexpected {_listing(unexpected)}; wrong layout or model?)" if unexpected else ""
         raise CheckpointError(
@@ -184,10 +187,10 @@ def plan_load(
         warnings.warn(f"{checkpoint.root}: ignoring {len(unexpected)} unexpected tensors: {described}", stacklevel=3)
     copies = []
     for group in targets.groups:
-        name = next(name for name in group if name in checkpoint.infos)
-        source, destination = checkpoint.infos[name], targets.by_name[name]
-        check_compatible(name, source, destination)
-        copies.append(Copy(name, source, destination))
+        name = next(name for name in group if name in infos)
+        source, destination = infos[name], targets.by_name[name]
+        check_compatible(names[name], source, destination)
+        copies.append(Copy(names[name], source, destination))
     return Plan(tuple(copies), tuple(unexpected))
 
 

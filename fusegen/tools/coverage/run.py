@@ -92,11 +92,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="verify at most N construction variants per type besides the tiny config (default: all)",
     )
+    parser.add_argument(
+        "--mapping",
+        default="causal-lm",
+        metavar="HEAD",
+        help="the Auto mapping whose model types to cover (fusegen.compiler.resolve.UNIVERSE: causal-lm, "
+        "image-text-to-text, multimodal-lm, seq2seq-lm, speech-seq2seq, text-encoding, masked-lm, dual-encoder); "
+        "each type is built with its default head (default: causal-lm)",
+    )
     args = parser.parse_args(argv)
 
-    from fusegen.compiler.resolve import causal_lm_types
+    from fusegen.compiler.resolve import UNIVERSE
+    from fusegen.compiler.resolve import model_types as mapping_types
 
-    known = causal_lm_types()
+    if args.mapping not in UNIVERSE:
+        parser.error(f"unknown mapping {args.mapping!r}; one of {', '.join(UNIVERSE)}")
+    known = mapping_types(args.mapping)
     model_types = known if not args.only else list(dict.fromkeys(args.only))
     unknown = [t for t in model_types if t not in known]
     if unknown:

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fusegen.compiler.modal_inputs import forward_inputs
 from fusegen.errors import first_line as _first_line
 from fusegen.errors import short_error as _short
 from fusegen.testkit import (  # the one kit (fusegen/testkit.py)
@@ -154,6 +155,14 @@ def _verify_config(tmp: Path, label: str, target, fused_class, config, torch) ->
     rows = input_rows(config)
     input_ids = random_input(config, batch=BATCH * rows)
     extra = _extra_inputs(original, torch)
+    try:  # images, audio, decoder tokens: what the forward takes besides token ids (token ids with image tokens)
+        modal = forward_inputs(original, config, input_ids)
+    except Exception:  # noqa: BLE001 - a layout the synthesis does not know: token ids alone, as before
+        modal = {}
+    if "input_ids" in modal:
+        input_ids = modal.pop("input_ids")
+        modal.pop("attention_mask", None)
+        extra = {**extra, **modal}
     notes = []
     try:
         expected, kwargs = _reference_logits(original, input_ids, torch, **extra)
