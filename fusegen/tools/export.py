@@ -5,7 +5,9 @@ OUT holds CKPT's files unchanged (the canonical weights, tokenizer, generation c
 
     AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)
 
-builds the fused class, while `architectures` still names the original class (engines that ignore `auto_map`, and
+builds the fused class, and `AutoModel` the fused base model: vLLM's Transformers backend builds
+`AutoModel.from_config(config, trust_remote_code=True)` and puts its own LM head on it, so without that entry it would
+serve the original base model from a fused export (docs/serving.md). Meanwhile `architectures` still names the original class (engines that ignore `auto_map`, and
 `trust_remote_code=False`, load the original). The generated file imports `fusegen.runtime`; where it is not
 installed, Transformers refuses the file with "requires the following packages ...: fusegen. Run `pip install
 fusegen`". OUT is assembled in a staging directory renamed into place, so a failed export leaves nothing behind.
@@ -43,7 +45,11 @@ def export(
     document["architectures"] = canonical_architectures(document.get("architectures")) or [
         fused_class.__name__.removeprefix("Fused")
     ]
-    document["auto_map"] = {"AutoModelForCausalLM": f"{Path(code_name).stem}.{fused_class.__name__}"}
+    stem = Path(code_name).stem
+    document["auto_map"] = {
+        "AutoModel": f"{stem}.{base_model_class(module, model_type).__name__}",
+        "AutoModelForCausalLM": f"{stem}.{fused_class.__name__}",
+    }
     with staged_directory(target) as staging:
         for path in sorted(source.iterdir()):
             if path.is_file() and path.name not in (CONFIG_NAME, code_name):
@@ -51,6 +57,21 @@ def export(
         shutil.copy2(module.__file__, staging / code_name)
         (staging / CONFIG_NAME).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return target
+
+
+def base_model_class(module, model_type: str) -> type:
+    """The generated file's fused copy of the base model class `AutoModel` builds for `model_type`
+    (`MODEL_MAPPING_NAMES`: llama -> LlamaModel, gemma3_text -> Gemma3TextModel), i.e. `Fused<that name>`."""
+    from transformers import PreTrainedModel
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = "Fused" + str(MODEL_MAPPING_NAMES.get(model_type, ""))
+    found = getattr(module, name, None)
+    if name not in getattr(module, "__all__", ()) or not (
+        isinstance(found, type) and issubclass(found, PreTrainedModel)
+    ):
+        raise InputError(f"{module.__file__}: no fused base model class {name!r} for model type {model_type!r}")
+    return found
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
