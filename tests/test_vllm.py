@@ -105,6 +105,8 @@ def _assert_fusegen_served(classes: list[list[str]], model_type: str) -> None:
         for fused in (f"Fused{prefix}Model", f"Fused{prefix}Attention", f"Fused{prefix}MLP"):
             assert fused in names and f".fused_{model_type}." in names[fused], worker
         assert {"QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear"} <= set(names), worker
+        # the norms: vLLM's kernel, as vLLM uses it for the original norm class (OriginalNormFuser)
+        assert "TPAwareRMSNorm" in names and f"Fused{prefix}RMSNorm" not in names, worker
         original = f"transformers.models.{model_type}.modeling_{model_type}."
         assert not [name for name in worker if name.startswith(original) and "Rotary" not in name], worker
 
@@ -163,3 +165,24 @@ def test_without_the_plugin_loading_refuses(generated_dir, tmp_path):
     result, served = _serve(export, tmp_path, env={"VLLM_PLUGINS": "lora_filesystem_resolver"})
     assert result.returncode != 0 and served is None
     assert "without fusegen's vLLM plugin" in result.stdout + result.stderr
+
+
+def test_lora_on_original_names_served_on_the_fused_model(generated_dir, tmp_path):
+    """A PEFT adapter made for the original class on q_proj + v_proj, served with enable_lora=True on the fused
+    model: vLLM packs it into qkv_proj through fusegen's packed_modules_mapping. Reference: Transformers' generate with
+    the adapter merged into the original model."""
+    from peft import LoraConfig, get_peft_model
+
+    from fusegen.testkit import randomise
+
+    original = _original("llama", tmp_path / "original")
+    adapted = get_peft_model(original, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    randomise(adapted, select=lambda name: "lora_" in name)  # PEFT starts B at zero: the adapter would do nothing
+    adapted.save_pretrained(tmp_path / "adapter")
+    merged = adapted.merge_and_unload().eval()
+    expected = _reference(merged)
+    assert expected != _reference(_original("llama", tmp_path / "again")), "the adapter must change the tokens"
+    export = _export(tmp_path / "original", "llama", generated_dir, tmp_path / "export")
+    result, served = _serve(export, tmp_path, lora=tmp_path / "adapter")
+    _check(result, served, expected, "llama")
+    assert any("LoRA" in name for name in served["classes"][0]), served["classes"]

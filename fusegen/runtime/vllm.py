@@ -48,11 +48,14 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from vllm.model_executor.models.transformers import fuser as backend
-from vllm.model_executor.models.transformers.fusers import BaseFuser
+from vllm.model_executor.models.transformers.fusers import BaseFuser, RMSNormFuser
+from vllm.model_executor.models.transformers.fx_utils import trace
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
+from .auto import original_name
 from .linear import MergedColumnLinear, sizes_attribute
 from .tp import MERGED_COLWISE
+from .version import source_module
 
 logger = logging.getLogger("vllm.fusegen")  # under vLLM's logger, so its handler and level apply
 
@@ -62,8 +65,8 @@ FUSEGEN_PIECES = "fusegen_pieces"
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: put `MergedLinearFuser` first among the backend's fusers (idempotent)."""
-    if MergedLinearFuser not in backend.FUSERS:
-        backend.FUSERS = (MergedLinearFuser, *backend.FUSERS)
+    missing = tuple(fuser for fuser in (MergedLinearFuser, OriginalNormFuser) if fuser not in backend.FUSERS)
+    backend.FUSERS = (*missing, *backend.FUSERS)
 
 
 def _generated_module(module: nn.Module):
@@ -215,6 +218,40 @@ def _localise_heads(module: nn.Module) -> None:
             setattr(module, attribute, value)
 
 
+class OriginalNormFuser(RMSNormFuser):
+    """vLLM's norm kernel for a fusegen norm, exactly where vLLM uses it for the original norm class.
+
+    vLLM's `RMSNormFuser` recognises a norm from a trace of its forward; the generated norm's forward (one guarded
+    `F.rms_norm` call, the original statements below the guard) is not a pattern it knows, so vLLM would run it as
+    plain torch code. The generated norm computes, by construction, exactly what the original norm computes (the
+    rmsnorm fusion's soundness argument, fusegen/fusions/rmsnorm.py), and its class keeps the original's attributes
+    (the same `__init__`). So this asks vLLM's own matcher about the ORIGINAL class: a twin of the module with the
+    original class and the same state is traced and matched, and the result (plain or Gemma-style `1 + weight`, which
+    attribute holds eps) is applied to the fused module as vLLM applies it to the original one. A norm vLLM would not
+    replace in the original is not replaced here either.
+    """
+
+    @classmethod
+    def match(cls, graph, module: nn.Module) -> RMSNormFuser | None:
+        generated = _generated_module(module)
+        source = source_module(type(module).__module__) if generated is not None else None
+        original = getattr(sys.modules.get(source or ""), original_name(type(module).__name__), None)
+        if original is None or original is type(module) or next(module.children(), None) is not None:
+            return None
+        twin = original.__new__(original)
+        twin.__dict__.update(module.__dict__)
+        twin_graph = trace(twin)
+        found = RMSNormFuser.match(twin_graph, twin) if twin_graph is not None else None
+        if found is None:
+            return None
+        return cls(
+            zero_centered=found.zero_centered,
+            source_cls=f"{type(module).__name__} (fusegen, as vLLM fuses {original.__name__})",
+            eps_attr=found.eps_attr,
+            eps=found.eps,
+        )
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Loading: vLLM's loader, through each parameter's weight_loader
 # --------------------------------------------------------------------------------------------------------------------
@@ -275,6 +312,7 @@ def served_classes(model: nn.Module) -> list[str]:
 __all__ = [
     "FUSEGEN_PIECES",
     "MergedLinearFuser",
+    "OriginalNormFuser",
     "load_weights",
     "register",
     "served_classes",
