@@ -13,5 +13,7 @@ python3 -m venv "$VENV"
 "$VENV/bin/python" -c "import vllm, transformers, fusegen; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 echo "vLLM venv ready in $(( $(date +%s) - start )) s"
 # -m vllm selects tests/test_vllm.py (deselected everywhere else); a missing vllm fails here, it is never skipped.
+# tests/test_transformers_range.py: build + runtime under this venv's Transformers, the floor of pyproject's range.
 "$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm.py
+"$VENV/bin/python" -m pytest -q tests/test_transformers_range.py
 echo "vLLM step done in $(( $(date +%s) - start )) s"

@@ -8,8 +8,9 @@ vLLM does not know, so without this module it becomes a `ReplicatedLinear`: righ
 invisible to LoRA (`packed_modules_mapping` stays empty).
 
 `register` (the `vllm.general_plugins` entry point `fusegen`, run by vLLM in every process before a model is built)
-puts `MergedLinearFuser` first in the backend's fuser list. For every module holding a merged linear of a generated
-file it:
+puts two fusers first in the backend's fuser list: `OriginalNormFuser` (fusegen's norms get vLLM's RMSNorm kernel
+exactly where vLLM gives it to the original norm class; see its docstring) and `MergedLinearFuser`. For every module
+holding a merged linear of a generated file, `MergedLinearFuser`:
 
 - replaces each merged linear by the vLLM layer that shards the ORIGINAL projections the same way:
   q/k/v (shard ids "q", "k", "v" in the file's `STACKED_PARAMS_MAPPING`) -> `QKVParallelLinear` (query heads split,
