@@ -129,12 +129,23 @@ def test_export_served_at_tp1_runs_fusegen_classes_greedy_equal(model_type, gene
     _check(result, served, expected, model_type)
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
-def test_export_served_at_tp2_shards_like_the_original(kv_heads, generated_dir, tmp_path):
-    """q/k/v by heads (kv heads replicated at MQA), gate/up by halves, o/down by rows: the same tokens."""
+@pytest.mark.parametrize(
+    ("kv_heads", "layout"), [(2, "canonical"), (1, "fused")], ids=["gqa-canonical", "mqa-fused-layout"]
+)
+def test_export_served_at_tp2_shards_like_the_original(kv_heads, layout, generated_dir, tmp_path):
+    """q/k/v by heads (kv heads replicated at MQA), gate/up by halves, o/down by rows: the same tokens. The fused
+    layout (`fusegen convert`, then export) hands vLLM whole merged tensors, which its layers cut in q, k, v order."""
+    from fusegen.cli import main
+
     original = _original("llama", tmp_path / "original", num_key_value_heads=kv_heads)
     expected = _reference(original)
-    export = _export(tmp_path / "original", "llama", generated_dir, tmp_path / "export")
+    source = tmp_path / "original"
+    if layout == "fused":
+        source = tmp_path / "converted"
+        argv = ["convert", str(tmp_path / "original"), str(source), "--model", "llama"]
+        assert main([*argv, "--generated-dir", str(generated_dir)]) == 0
+        assert (source / "fused.safetensors").is_file()
+    export = _export(source, "llama", generated_dir, tmp_path / "export")
     result, served = _serve(export, tmp_path, tp=2)
     _check(result, served, expected, "llama")
     assert len(served["classes"]) == 2

@@ -23,25 +23,38 @@ from pathlib import Path
 
 from fusegen.errors import EXIT_OK, InputError, command
 from fusegen.runtime.auto import CONFIG_NAME, canonical_architectures
+from fusegen.runtime.merged import normalise_stacked
+from fusegen.runtime.pretrained import FUSEGEN_KEY
 from fusegen.tools.checkpoint_cli import add_checkpoint_arguments, refuse_existing, staged_directory
 from fusegen.tools.convert import causal_lm_class, import_fused_module, read_config
 
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "fused.safetensors", "fused.safetensors.index.json")
 
 
 def export(
     src_dir: str | os.PathLike, out_dir: str | os.PathLike, model_type: str, *, generated_dir="generated"
 ) -> Path:
-    """Write the remote-code checkpoint directory `out_dir` from the canonical checkpoint `src_dir`; returns it."""
+    """Write the remote-code checkpoint directory `out_dir` from the checkpoint `src_dir`; returns it.
+
+    `src_dir` is canonical, or the fused layout `fusegen convert` writes (`fused*.safetensors`, config.json's
+    `fusegen` entry): its merged rows must be in the order of the generated file's `STACKED_PARAMS_MAPPING`, which is
+    the order the fused class and vLLM's merged layers split them in (a fused tensor carries no names for its rows).
+    """
     source, target = Path(src_dir), Path(out_dir)
     refuse_existing(target)
     module = import_fused_module(generated_dir, model_type)
     fused_class = causal_lm_class(module)
     read_config(source, model_type)
     if not any((source / name).is_file() for name in WEIGHTS):
-        raise InputError(f"{source}: no {' or '.join(WEIGHTS)} (export copies canonical safetensors weights)")
+        raise InputError(f"{source}: no {' or '.join(WEIGHTS)} (export copies safetensors weights)")
     code_name = Path(module.__file__).name
     document = json.loads((source / CONFIG_NAME).read_text(encoding="utf-8"))
+    rows = (document.get(FUSEGEN_KEY) or {}).get("stacked")
+    if rows is not None and normalise_stacked(rows) != normalise_stacked(module.STACKED_PARAMS_MAPPING):
+        raise InputError(
+            f"{source}: merged rows {rows} in config.json, but {Path(module.__file__).name} stacks "
+            f"{normalise_stacked(module.STACKED_PARAMS_MAPPING)}; convert the canonical checkpoint again"
+        )
     document["architectures"] = canonical_architectures(document.get("architectures")) or [
         fused_class.__name__.removeprefix("Fused")
     ]
