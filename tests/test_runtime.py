@@ -98,6 +98,9 @@ def _make_fused(prefix, modeling, attn_cls, mlp_cls, model_cls, causal_cls):
 
     for cls, name in ((FusedModel, f"Fused{prefix}Model"), (FusedForCausalLM, f"Fused{prefix}ForCausalLM")):
         cls.__name__ = cls.__qualname__ = name
+        # Transformers decides "can set the experts implementation" from the source of the class's module; these
+        # classes stand in for generated ones, which answer as the original module does, not as this test file would.
+        cls.__module__ = modeling.__name__
     return FusedModel, FusedForCausalLM
 
 

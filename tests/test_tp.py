@@ -24,18 +24,18 @@ import pytest
 import torch
 from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from fusegen.compiler.mappings import fused_plan_from
 from fusegen.runtime.tp import (
     LOCAL_HEADS,
     MERGED_COLWISE,
     MLA_KV_A,
     PartitionedSplit,
     RowPartition,
-    _unblock,
     check_head_counts,
     check_plan_honoured,
-    fused_plan_from,
     partition_rows,
 )
+from fusegen.runtime.tp.styles import _merged_row_shard_class
 from fusegen.testkit import (
     GRAD_TOLERANCE,
     TOLERANCE,
@@ -80,7 +80,10 @@ CASES = {
         "qwen2-mqa-tied": ("qwen2", {"num_key_value_heads": 1, "tie_word_embeddings": True}, "compare"),
         "llama-gqa-plain": ("llama", {"num_key_value_heads": 2}, "plain"),  # Transformers' own TP, for reference
         "llama-gqa-save": ("llama", {"num_key_value_heads": 2}, "save"),
+        "llama-mqa-save": ("llama", {"num_key_value_heads": 1}, "save"),  # kv head replicated on both ranks
         "qwen2-gqa-honest": ("qwen2", {"num_key_value_heads": 2}, "honest"),  # q/k/v biases
+        "qwen2-mqa-honest": ("qwen2", {"num_key_value_heads": 1}, "honest"),  # kv head replicated on both ranks
+        "llama-mqa-honest": ("llama", {"num_key_value_heads": 1}, "honest"),
         "llama-mqa-grads": ("llama", {"num_key_value_heads": 1}, "grads"),  # kv head replicated on both ranks
         "heads-3": ("llama", {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}, "error"),
         "kv-heads-3": ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, "error"),
@@ -116,6 +119,7 @@ CASES = {
         "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),  # each kv head shared by 2 ranks
         "llama-mha": ("llama", {"num_key_value_heads": 4}, "compare"),
         "qwen2-mqa": ("qwen2", {"num_key_value_heads": 1}, "compare"),
+        "llama-gqa-honest": ("llama", {"num_key_value_heads": 2}, "honest"),  # each kv head shared by 2 ranks
         "heads-2": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 2}, "error"),
         "mlp-90": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "error"),
         "phi3-packed-gqa": ("phi3", {"num_key_value_heads": 2, **TOKENS}, "packed"),  # kv head shared by 2 ranks
@@ -248,6 +252,39 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def _replicated(tensor):
+    """`redistribute` to `Replicate`, then the local tensor: the whole tensor if the placement is honest."""
+    from torch.distributed.tensor import Replicate
+
+    return tensor.redistribute(placements=[Replicate()]).to_local()
+
+
+def _gradient_checker_max_diff(tp, single):
+    """The largest difference Transformers' TP gradient checker (`test_tp_backward` in its tensor-parallel test
+    mixin) sees, done as it does it: a gradient whose placement is not Replicate is redistributed to Replicate, then
+    its local tensor is compared with the single-process gradient, sliced to rank r's contiguous block where the
+    shapes still differ (as for `Shard`)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    worst, rank = 0.0, dist.get_rank()
+    for (name, reference), (_, parameter) in zip(single.named_parameters(), tp.named_parameters()):
+        if reference.grad is None or parameter.grad is None:
+            continue
+        grad, grad_tp = reference.grad, parameter.grad
+        if isinstance(grad_tp, DTensor):
+            if any(not placement.is_replicate() for placement in grad_tp.placements):
+                grad_tp = _replicated(grad_tp)
+            else:
+                grad_tp = grad_tp.to_local()
+        for dim in range(grad.ndim):
+            if grad.size(dim) != grad_tp.size(dim):
+                grad = grad.narrow(dim, rank * grad_tp.size(dim), grad_tp.size(dim))
+                break
+        worst = max(worst, (grad - grad_tp).abs().max().item())
+    return worst
+
+
 def _honest(model_type, path, out):
     """Placements say what each rank holds: full_tensor() and gradients equal the single-process model's, and a
     distributed checkpoint round-trips and holds the canonical q/k/v."""
@@ -263,11 +300,13 @@ def _honest(model_type, path, out):
     result = {
         "placements": sorted({repr(tp_params[name].placements[0]).partition("(")[0] for name in merged}),
         "full_tensor_exact": all(torch.equal(tp_params[n].full_tensor(), single_params[n]) for n in merged),
+        "redistribute_exact": all(torch.equal(_replicated(tp_params[n]), single_params[n]) for n in merged),
     }
     tp_grads, single_grads = _grads(tp, input_ids), _grads(single, input_ids)
     result["grad_names_equal"] = sorted(tp_grads) == sorted(single_grads)
     result["grad_max_diff"] = max((_full(tp_grads[n]) - single_grads[n]).abs().max().item() for n in single_grads)
     result["merged_grad_max_diff"] = max((_full(tp_grads[n]) - single_grads[n]).abs().max().item() for n in merged)
+    result["checker_max_diff"] = _gradient_checker_max_diff(tp, single)
     checkpoint = f"{out}-dcp"
     dcp.save(tp.state_dict(), checkpoint_id=checkpoint)
     fresh = fused_class.from_pretrained(path, tp_plan="auto")
@@ -355,7 +394,8 @@ def _packed(model_type, path, how):
 
 def _packed_grads(model_type, path):
     """Every parameter's gradient under `apply_packed_tp_plan` against the single-process one (this rank's slice)."""
-    from fusegen.runtime.tp import PACKED_COLWISE, PACKED_ROWWISE, _is_conv1d, apply_packed_tp_plan
+    from fusegen.runtime.tp import PACKED_COLWISE, PACKED_ROWWISE, apply_packed_tp_plan
+    from fusegen.runtime.tp.packed import _is_conv1d
 
     _, original_class = original_classes(model_type)
     tp, single = (original_class.from_pretrained(path).eval() for _ in range(2))
@@ -640,19 +680,24 @@ def test_transformers_own_tp_for_reference(launched):
         assert fused[rank]["read_bytes"] == result["read_bytes"]  # the fused model reads exactly the same slices
 
 
-def test_tp_model_saves_the_canonical_checkpoint(launched):
-    _, per_rank = _results(launched, 2, "llama-gqa-save")
+@pytest.mark.parametrize("name", ["llama-gqa-save", "llama-mqa-save"])
+def test_tp_model_saves_the_canonical_checkpoint(launched, name):
+    _, per_rank = _results(launched, 2, name)
     assert per_rank[0] == {"round_trip": True, "loading_info": {}}
 
 
-def test_tp_placements_describe_what_each_rank_holds(launched):
-    """full_tensor() is the single-process merged weight; gradients match it; DCP writes canonical q/k/v."""
-    _, per_rank = _results(launched, 2, "qwen2-gqa-honest")
+@pytest.mark.parametrize(("world_size", "name"), _cases("honest"))
+def test_tp_placements_describe_what_each_rank_holds(launched, world_size, name):
+    """full_tensor() and redistribute(Replicate) give the single-process merged weight; gradients match it, also as
+    Transformers' TP gradient checker compares them; DCP writes canonical q/k/v. With kv heads divisible by N
+    (qwen2-gqa at N=2) and with kv heads replicated over ranks (MQA at N=2, 2 kv heads at N=4)."""
+    _, per_rank = _results(launched, world_size, name)
     for rank, result in enumerate(per_rank):
-        print(f"N=2 qwen2-gqa honest rank {rank}: {json.dumps(result)}")
+        print(f"N={world_size} {name} honest rank {rank}: {json.dumps(result)}")
         assert result["placements"] == ["MergedRowShard"], result
-        assert result["full_tensor_exact"] and result["grad_names_equal"], result
+        assert result["full_tensor_exact"] and result["redistribute_exact"] and result["grad_names_equal"], result
         assert result["merged_grad_max_diff"] <= TOLERANCE and result["grad_max_diff"] <= TOLERANCE, result
+        assert result["checker_max_diff"] <= TOLERANCE, result
         assert result["dcp_reload_vs_tp"] <= TOLERANCE, result
     assert per_rank[0]["dcp_keys_canonical"] and per_rank[0]["dcp_tensors_exact"], per_rank[0]
 
@@ -870,19 +915,40 @@ def test_saving_splits_the_gathered_merged_tensor_into_q_k_v():
     assert all(torch.equal(pieces[f"self_attn.{n}_proj"], t) for n, t in zip("qkv", (q, k, v)))
 
 
-def test_unblock_reorders_rank_blocks_into_pieces():
-    q, k, v = torch.arange(8.0), torch.arange(8.0, 12.0), torch.arange(12.0, 16.0)
-    blocks = torch.cat(
-        [torch.cat([q[r * 4 : (r + 1) * 4], k[r * 2 : (r + 1) * 2], v[r * 2 : (r + 1) * 2]]) for r in (0, 1)]
-    )
-    assert torch.equal(_unblock(blocks, (8, 4, 4), 2), torch.cat([q, k, v]))
+@pytest.mark.parametrize(
+    "full_sizes, units, replicable, world_size",
+    [
+        ((8, 4, 4), (4, 2, 2), (False, True, True), 2),  # GQA, kv heads divisible by N: even blocks
+        ((8, 2, 2), (4, 1, 1), (False, True, True), 2),  # MQA: the kv head on both ranks
+        ((8, 4, 4), (4, 2, 2), (False, True, True), 4),  # 2 kv heads at N=4: each shared by 2 ranks
+        ((6, 6), (6, 6), (False, False), 2),  # gate/up
+    ],
+)
+def test_merged_row_shard_assembles_and_selects_each_ranks_rows(full_sizes, units, replicable, world_size):
+    """What full_tensor() and redistribute do with the processes' local tensors, without processes: each rank's
+    rows of [q; k; v] put back together give [q; k; v], each row once; selecting gives each rank its own rows."""
+    partitions = [partition_rows(full_sizes, units, replicable, world_size, r, what="t") for r in range(world_size)]
+    placement = _merged_row_shard_class()(full_sizes, partitions[0].sizes, [p.starts for p in partitions])
+    full = torch.arange(float(sum(full_sizes))).unsqueeze(1).repeat(1, 3)
+    blocks = [placement.select_local(full, rank) for rank in range(world_size)]
+    for partition, block in zip(partitions, blocks):
+        assert torch.equal(block, torch.cat([full.narrow(0, s, n) for s, n in partition.merged_rows()]))
+    assert torch.equal(placement.assemble(blocks), full)
+    assert placement.even_pieces == all(partition.shard_on_read for partition in partitions)
+    assert placement == placement.__class__(full_sizes, partitions[0].sizes, [p.starts for p in partitions])
+    with pytest.raises(ValueError, match="do not cover"):
+        placement.assemble(blocks[:1])
 
 
-def test_saving_refuses_replicated_kv_heads():
+def test_saving_splits_replicated_kv_heads_gathered_whole():
+    """A merged tensor gathered by the honest placement is the whole [q; k; v], replicated kv heads or not."""
     model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=1))
     qkv = model.model.layers[0].self_attn.qkv_proj
     qkv.tp_partition = RowPartition((64, 16, 16), (0, 0, 0), (32, 16, 16), 2, 0)
-    with pytest.raises(ValueError, match="replicated"):
+    merged = torch.randn(96, 3)
+    pieces = _split(model, merged)
+    assert all(torch.equal(pieces[f"self_attn.{n}_proj"], t) for n, t in zip("qkv", merged.split([64, 16, 16])))
+    with pytest.raises(ValueError, match="expected 96 rows"):
         _split(model, torch.randn(64, 3))
 
 
@@ -915,7 +981,7 @@ def test_packed_plan_refuses_falcon_alibi():
 def test_local_heads_config_reads_through_and_survives_a_deep_copy():
     import copy
 
-    from fusegen.runtime.tp import _LocalHeadsConfig
+    from fusegen.runtime.tp.packed import _LocalHeadsConfig
 
     config = small_config(LlamaConfig, num_key_value_heads=2)
     local = _LocalHeadsConfig(config, num_attention_heads=2, num_key_value_heads=1)

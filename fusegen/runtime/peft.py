@@ -18,9 +18,11 @@ The scaling must be one number per merged linear, so pieces with different `alph
 Training keeps the equality: B's off-block entries are multiplied by a zero mask in the forward
 (`BlockDiagonalLinear`), so they get zero gradients and stay zero under any optimizer that leaves a zero-gradient,
 zero-valued entry at zero (SGD, Adam(W), with or without weight decay). Each piece's A block then only receives
-gradients from its own rows, which is what training the original's separate LoRAs does; B starts at zero and A
-is drawn from the same kaiming-uniform distribution (its fan-in is the input width, the same in both). The one
-difference is dropout: with `lora_dropout > 0` one dropout mask is drawn per merged linear, not one per piece.
+gradients from its own rows, which is what training the original's separate LoRAs does. The initial adapter is
+the original's, number for number: each piece's A and B are drawn as PEFT draws them for that piece's own layer,
+in the original's order, and the merged layer's own draws are discarded (`initialise_like_pieces`), so a run
+with the same seed starts from the same adapter and leaves the generator in the same state. The one difference is
+dropout: with `lora_dropout > 0` one dropout mask is drawn per merged linear, not one per piece.
 
 How it plugs in: `install()` wraps five PEFT methods (the target match, the layer creation, the injection, and the
 state-dict remapping on load and save) so that on a fused model PEFT sees canonical names everywhere a user or a
@@ -174,9 +176,9 @@ def packing_for(config, merged: Merged) -> Packing | None:
     for option, value, supported in (
         ("use_dora", config.use_dora, (False,)),
         ("lora_bias", getattr(config, "lora_bias", False), (False,)),
-        ("init_lora_weights", config.init_lora_weights, (True, False)),
+        ("init_lora_weights", config.init_lora_weights, (True, False, "gaussian")),
     ):
-        if not any(value is ok for ok in supported):
+        if not any(value is ok or (isinstance(ok, str) and value == ok) for ok in supported):
             raise AdapterError(f"{where}: LoRA with {option}={value!r} cannot be expressed on a merged linear")
     root = math.sqrt if config.use_rslora else (lambda r: r)
     scalings = {piece: alphas[piece] / root(ranks[piece]) for piece in ranks}
@@ -322,6 +324,44 @@ def packed_layers(model: nn.Module, adapter: str) -> dict[str, Packing]:
         for path, module in model.named_modules()
         if adapter in getattr(module, "fusegen_packings", {})
     }
+
+
+def _draws_discarded():
+    """A context in which random draws leave the default device's generator (and the CPU's) as they were."""
+    device = torch.get_default_device()
+    if device.type in ("cpu", "meta"):  # meta draws nothing
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(device_type=device.type)
+
+
+@torch.no_grad()
+def initialise_like_pieces(layer: nn.Module, adapter: str, packing: Packing, init) -> None:
+    """Give `layer`'s packed adapter the numbers PEFT would draw for each adapted piece's own LoRA on the original.
+
+    For each target PEFT's `update_layer` creates `lora_A = nn.Linear(in, r)` and `lora_B = nn.Linear(r, out)`
+    (each constructor draws its kaiming-uniform weight) and then, for `init_lora_weights=True`, draws A again
+    (kaiming-uniform; "gaussian": normal with std 1/r) and zeroes B; for False it keeps the constructors' draws.
+    The original creates the pieces one after the other, in the order of its modules; a merged linear sits where
+    its first piece was, with its pieces in the same order (`tests/test_ecosystem.py` checks that for every
+    generated file), so the draws below, made for each adapted piece in row order with the same shapes, generator
+    and calls, are bit for bit the original's, and leave the generator where the original's injection leaves it:
+    every later target (o_proj, gate_up_proj, ...) then draws the original's numbers too. The merged layer's own
+    draws (one `(R, in)` A, one `(out, R)` B) are discarded (`_draws_discarded`). Nothing is drawn when the adapter
+    is created on the meta device (`low_cpu_mem_usage`), as PEFT then draws nothing for the pieces either.
+    """
+    a_weight, b_weight = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    if a_weight.is_meta:
+        return
+    for _, row, rows, column, rank in packing.blocks():
+        a, b = nn.Linear(a_weight.shape[1], rank, bias=False), nn.Linear(rank, rows, bias=False)
+        if init is True:
+            nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+        elif init == "gaussian":
+            nn.init.normal_(a.weight, std=1 / rank)
+        if init is not False:
+            nn.init.zeros_(b.weight)
+        a_weight[column : column + rank].copy_(a.weight)
+        b_weight[row : row + rows, column : column + rank].copy_(b.weight)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -486,8 +526,11 @@ def _create_and_replace(original):
         config = copy.copy(lora_config)
         config.rank_pattern = {re.escape(current_key): packing.rank}
         config.alpha_pattern = {re.escape(current_key): packing.alpha}
-        original(self, config, adapter_name, target, target_name, parent, current_key, **kwargs)
-        _pack_layer(getattr(parent, target_name), adapter_name, packing)
+        with _draws_discarded():  # the merged layer's own draws; the pieces' are made below, in their order
+            original(self, config, adapter_name, target, target_name, parent, current_key, **kwargs)
+            layer = getattr(parent, target_name)
+            _pack_layer(layer, adapter_name, packing)
+        initialise_like_pieces(layer, adapter_name, packing, lora_config.init_lora_weights)
 
     return create_and_replace
 

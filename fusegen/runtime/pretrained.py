@@ -206,10 +206,15 @@ class FusedPreTrainedMixin:
 
     @classmethod
     def _finalize_model_loading(cls, model, load_config, loading_info):
-        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading)."""
+        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading);
+        under tensor parallelism, give merged parameters read whole their honest placement (`tp.describe_loaded`)."""
         from .strict import check_loading
 
         check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+        if any(getattr(module, "tp_partition", None) is not None for module in model.modules()):
+            from .tp.styles import describe_loaded
+
+            describe_loaded(model)  # merged parameters read whole (replicated kv heads) get their true placement
         return super()._finalize_model_loading(model, load_config, loading_info)
 
     @classmethod
@@ -236,15 +241,18 @@ class FusedPreTrainedMixin:
         return super()._can_set_experts_implementation()
 
     def init_parallel_plans(self):
-        """Transformers' parallel plans, with the generated file's `TP_PLAN` rules for the merged projections.
+        """Transformers' parallel plans, with the generated file's `TP_PLAN` rules for the merged projections, and
+        the hooks that list a distributed model's merged parameters as their canonical pieces (`.distributed`).
 
         fusegen.runtime.tp is imported here, when a model is built, so importing a generated file stays light.
         """
+        from .distributed import register_canonical_state_hooks
         from .tp import init_fused_parallel_plans
 
         found = _generated_class(type(self))
         plan = getattr(sys.modules.get(found[0].__module__), "TP_PLAN", None) if found is not None else None
         init_fused_parallel_plans(self, plan)
+        register_canonical_state_hooks(self)  # distributed (DTensor) state dicts in canonical names: FSDP2, TP
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
