@@ -346,15 +346,23 @@ GEMMA4 = {
 # The fused Gemma 4 attention (q_proj joining k/v in a nested block) is tested in tests/test_gemma4_qkv.py.
 
 
-def test_quantizing_or_sharding_a_merged_linear_without_some_bias_is_refused(built):
-    """A quantizer's forward or a TP partition would not leave the zero bias rows out: both refuse, by name."""
-    from fusegen.runtime.quant import QuantizationRefused, check_quantization
+def test_quantizing_keeps_a_merged_linear_without_some_bias_as_its_pieces_and_sharding_refuses(built):
+    """A quantizer's forward or a TP partition would not leave the zero bias rows out. Under a quantization config
+    the merged linear is built as the original's pieces (k_proj without a bias, as in the original) and is not stacked
+    back (fusegen/runtime/quantized.py); a TP partition refuses, by name."""
+    from fusegen.runtime.quantized import PiecewiseLinear, compose_merged_linears
     from fusegen.runtime.tp.styles import _partition
 
+    config = whisper_config()
+    config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    quantized = built["whisper"].FusedWhisperForCausalLM(config)
+    attention = quantized.model.decoder.layers[0].self_attn
+    assert isinstance(attention.qkv_proj, PiecewiseLinear)
+    assert attention.k_proj.bias is None and attention.q_proj.bias is not None and attention.v_proj.bias is not None
+    compose_merged_linears(quantized)  # float pieces (no quantizer ran): stacked with zero k rows, as unquantized
+    assert attention.qkv_proj.bias_pieces == [True, False, True]
+
     fused = built["whisper"].FusedWhisperForCausalLM(whisper_config())
-    fused.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
-    with pytest.raises(QuantizationRefused, match="qkv_proj.*no bias"):
-        check_quantization(fused)
 
     class Mesh:
         def size(self):

@@ -146,13 +146,49 @@ def test_missing_k_proj_raises_through_from_pretrained_and_load_checkpoint(check
         load_checkpoint(FusedLlamaForCausalLM(original.config), path)
 
 
-def test_missing_all_pieces_raises(checkpoint):
-    path, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
+def test_a_checkpoint_without_any_piece_reports_the_merged_parameter_missing_as_the_original_does(checkpoint):
+    """Transformers' contract for a parameter the checkpoint lacks: listed in `missing_keys` (the model's own name) and
+    initialised by `_init_weights`, not an error. The original does that for gate_proj and up_proj; the fused class for
+    the gate_up_proj they make, with the same initialisation (normal, std `initializer_range`) and everything else
+    loaded exactly."""
+    config = small_config(LlamaConfig, num_key_value_heads=2, initializer_range=0.5)
+    path, original = checkpoint(LlamaForCausalLM, config)
     for piece in ("gate_proj", "up_proj"):
         without(path, f"model.layers.0.mlp.{piece}.weight")
-    with pytest.raises(CheckpointError, match="none of its pieces") as error:
+    reference, expected = LlamaForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert expected["missing_keys"] == {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"}
+    fused, info = FusedLlamaForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert info["missing_keys"] == {"model.layers.0.mlp.gate_up_proj.weight"}
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    merged = fused.model.layers[0].mlp.gate_up_proj.weight
+    pieces = torch.cat([reference.model.layers[0].mlp.gate_proj.weight, reference.model.layers[0].mlp.up_proj.weight])
+    assert merged.shape == pieces.shape
+    assert abs(merged.std().item() - 0.5) < 0.05 and abs(pieces.std().item() - 0.5) < 0.05  # same init rule
+    with torch.no_grad():
+        loaded = fused.model.layers[1].self_attn.qkv_proj.weight
+        attention = original.model.layers[1].self_attn
+        assert torch.equal(
+            loaded, torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+        )
+
+
+def test_errors_name_the_class_called_the_file_and_the_tensor_without_a_traceback(checkpoint):
+    path, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
+    without(path, "model.layers.1.self_attn.k_proj.weight")
+    with pytest.raises(CheckpointError) as error:
         FusedLlamaForCausalLM.from_pretrained(path)
-    assert error.value.tensor == "model.layers.0.mlp.gate_up_proj.weight"
+    message = str(error.value)
+    assert message.startswith(f"{path / 'model.safetensors'}: tensor 'model.layers.1.self_attn.qkv_proj.weight': ")
+    assert "FusedLlamaForCausalLM: merged parameter" in message and "FusedLlamaModel" not in message
+    assert "Traceback" not in message and 'File "' not in message and len(message.splitlines()) == 1, message
+    assert error.value.file == str(path / "model.safetensors")
+    # Validation before Transformers reads anything (here: a cut file) names the class too.
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError) as error:
+        FusedLlamaForCausalLM.from_pretrained(path)
+    assert "FusedLlamaForCausalLM: " in str(error.value) and len(str(error.value).splitlines()) == 1, error.value
+    assert error.value.file == str(path / "model.safetensors") and error.value.tensor
 
 
 def test_an_unmappable_q_proj_under_a_new_parent_leaves_nothing_random(checkpoint):
@@ -211,14 +247,26 @@ def test_a_piece_renamed_to_a_merged_name_the_model_lacks_raises_when_its_own_pi
     assert error.value.tensor == lost and error.value.file == "ckpt"
 
 
+def _with_traceback(text):
+    """A conversion error as Transformers records it: the formatted traceback, the message, then where."""
+    try:
+        raise ValueError(text)
+    except ValueError as error:
+        import traceback
+
+        return "".join(traceback.format_exception(error)) + f"{text}\nError: MergedColumnConcatenate on tensors"
+
+
 def test_ordinary_missing_keys_are_left_to_transformers():
     with torch.device("meta"):
         model = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
     check_loading(model, info(missing=["lm_head.weight", "model.norm.weight"], unexpected=["model.extra.weight"]))
-    with pytest.raises(CheckpointError, match="qkv_proj"):
-        check_loading(
-            model, info(missing=["model.layers.1.self_attn.qkv_proj.bias", "model.layers.1.self_attn.qkv_proj.weight"])
-        )
+    merged = ["model.layers.1.self_attn.qkv_proj.bias", "model.layers.1.self_attn.qkv_proj.weight"]
+    check_loading(model, info(missing=merged))  # none of its pieces: missing, as the original's q/k/v would be
+    stray = "model.layers.1.self_attn.k_proj.weight"
+    with pytest.raises(CheckpointError, match="mapped nowhere") as error:
+        check_loading(model, info(missing=merged, unexpected=[stray]), caller="FusedLlamaForCausalLM")
+    assert error.value.tensor == stray and str(error.value).count("FusedLlamaForCausalLM: ") == 1
 
 
 def test_parents_come_from_every_construction_site_in_the_source():
@@ -255,9 +303,12 @@ def test_a_merged_parameter_tied_to_a_filled_one_counts_as_filled():
     model.all_tied_weights_keys = {**model.all_tied_weights_keys, target: source}
     check_loading(model, info(missing=[target]))  # the source was filled: the tie fills the target
     check_loading(model, info(missing=[source]))  # only the target was in the checkpoint: Transformers swaps them
-    with pytest.raises(CheckpointError, match="none of its pieces") as error:
-        check_loading(model, info(missing=[target, source]))  # nothing real to tie in
-    assert error.value.tensor in (target, source)
+    # Nothing real to tie in and no piece in the checkpoint: missing, as the original's would be (Transformers
+    # initialises them); only a failed merge or a stray piece raises.
+    check_loading(model, info(missing=[target, source]))
+    with pytest.raises(CheckpointError, match="merging its pieces failed: ValueError: sizes") as error:
+        check_loading(model, info(missing=[target, source], errors={source: _with_traceback("sizes")}))
+    assert error.value.tensor == source and "Traceback" not in str(error.value)
 
 
 def test_zamba_shared_transformer_loads_through_its_tied_merged_weights(tmp_path):

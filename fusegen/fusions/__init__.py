@@ -22,7 +22,12 @@ Adding a kind is one new module here, plus its tests:
   implement `candidate(module)` (which module classes to analyse at all), `match(trace, module) -> [FusionPlan]`
   (plans with no `shards`: they merge no linears, so they get no checkpoint mapping, no scope and no TP rule) and
   `rewrite(classdef, plan, module, namespace, fused)` (edit the copy of the class statement in place, or raise
-  `Refused(rule, reason)`). A plan may be a subclass of `FusionPlan` carrying the kind's own data.
+  `Refused(rule, reason)`). A plan may be a subclass of `FusionPlan` carrying the kind's own data. A kind that rewrites only a leaf module's
+  `forward` builds on `fusegen.fusions.leaf` (the guard that keeps the original statements, execution, the
+  bit-exact comparison), as `rmsnorm` does.
+
+Kinds sharing one search name the same `Kind.family` (the merged-linear kinds: `LinearKind.family`); the matcher
+asks a family once. `silu.py` and `packed_qkv.py` are skeletons left unregistered (their docstrings say why).
 
 Then decorate the class with `@register`. The generated file is validated by execution like every other fusion
 (`fusegen.compiler.validate`), so a kind that changes numerics is refused there, not shipped.

@@ -4,6 +4,7 @@ Kept deliberately small and dependent only on torch, transformers and safetensor
 so a generated model file works wherever Transformers does, without the compiler (jinja2, black, ...) installed.
 """
 
+from . import format_composers as _format_composers  # noqa: F401 (registers its composers)
 from . import peft as _peft
 from .auto import register_fused_causal_lm
 from .auto import save_pretrained as save_pretrained_canonically

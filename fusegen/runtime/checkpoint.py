@@ -34,9 +34,11 @@ from transformers.conversion_mapping import (
 )
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
+from .layout import layout_of
 from .linear import absent_bias_pieces
-from .merged import find_merged_linear
-from .quant import check_quantized_pieces, check_quantized_save
+from .merged import find_merged_linear, find_merged_module
+from .quant import check_quantized_pieces
+from .quantized import split_load, split_state
 from .streaming import PreallocatedConcatenate
 
 # Checkpoint names are used as regexes by Transformers; restricting them to dotted identifiers means no character in
@@ -91,6 +93,12 @@ class MergedColumnConcatenate(PreallocatedConcatenate):
         # receive the merged tensor as they receive any other (optimum-quanto's takes `value[0]`, which of a bare
         # tensor would be its first row); the loader unwraps it when no quantize op follows.
         merged_tensors = super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+        layout = layout_of(merged) if merged is not None else None
+        if layout is not None and not layout.is_contiguous:  # the pieces' rows interleaved as the kind declared
+            order = layout.order()
+            merged_tensors = {
+                key: value.index_select(self.dim, order.to(value.device)) for key, value in merged_tensors.items()
+            }
         return {key: [value] for key, value in merged_tensors.items()}
 
     @property
@@ -125,21 +133,21 @@ class MergedColumnSplit(ConversionOps):
         # `full_layer_name` is the FIRST piece's full name (e.g. `model.layers.0.self_attn.q_proj.weight`);
         # swap the piece pattern for the merged one to find the module that owns the tensor.
         head, found, tail = (full_layer_name or "").partition(target_patterns[0])
-        merged = find_merged_linear(model, head + source_patterns[0] + tail) if found else None
+        merged = find_merged_module(model, head + source_patterns[0]) if found else None
         if merged is None:
             raise ValueError(f"Cannot find the merged linear owning {full_layer_name!r}; need it for its output_sizes")
         sizes = list(merged.output_sizes)
-        check_quantized_save(model, full_layer_name, tensor, sizes)
-        if tensor.dim() == 0 and getattr(model, "is_quantized", False):
-            # A quantized linear's scalar state (bitsandbytes' `weight_format`) describes every row alike; schemes
-            # with a per-tensor scale are refused before loading (fusegen.runtime.quant), so none is one.
-            return {target: tensor.clone() for target in target_patterns}
+        composed = split_state(merged, tail.lstrip("."), tensor, sizes)
+        if composed is not None:
+            # A merged linear stacked from quantized pieces (fusegen/runtime/quantized.py): its composer writes each
+            # piece's state as the piece itself would have (packed bytes, scales, serialized quant state).
+            return dict(zip(target_patterns, composed))
         if len(sizes) != len(target_patterns) or tensor.dim() == 0 or sum(sizes) != tensor.shape[self.dim]:
             raise ValueError(
                 f"{full_layer_name}: cannot split a tensor of size {tensor.shape[self.dim]} into {target_patterns} "
                 f"with output_sizes={sizes}"
             )
-        pieces = dict(zip(target_patterns, tensor.split(sizes, dim=self.dim)))
+        pieces = dict(zip(target_patterns, layout_of(merged).split(tensor, dim=self.dim)))
         absent = absent_bias_pieces(merged) if _is_bias(full_layer_name) else []
         if not absent:
             return pieces
@@ -179,6 +187,18 @@ def _with_absent_bias(
             merged.output_sizes[index], dtype=like.dtype, device=like.device
         )
     return completed
+
+
+class StackedConverter(WeightConverter):
+    """The converter of one merged linear: Transformers' `WeightConverter`, idle while a model built split (its merged
+    linears as their canonical pieces, fusegen/runtime/quantized.py) loads. Transformers applies at most one
+    converter per key, so renaming `q_proj.SCB` to `qkv_proj.SCB` would keep the quantizer's converter from
+    reaching it."""
+
+    def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
+        if split_load():
+            return source_key, None
+        return super().rename_source_key(source_key)
 
 
 def _piece_names(merged_name: str, pieces: Iterable[Any]) -> list[str]:
@@ -229,7 +249,7 @@ def build_stacked_converters(
             if parent is not None:
                 _check_name(parent, "parent")
             converters.append(
-                WeightConverter(
+                StackedConverter(
                     source_patterns=[_LEFT_BOUNDARY + _join(parent, n) for n in names],
                     target_patterns=_join(parent, merged_name),
                     operations=[MergedColumnConcatenate(dim=0)],

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .layout import RowLayout, layout_of
+
 
 def _as_output_sizes(output_sizes: Sequence[int]) -> list[int]:
     """Normalise `output_sizes` to a list of positive Python ints.
@@ -84,11 +86,16 @@ class MergedColumnLinear(nn.Linear):
         bias: bool | Sequence[bool] = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        layout: RowLayout | None = None,
     ) -> None:
         sizes = _as_output_sizes(output_sizes)
         flags = _as_bias_pieces(bias, len(sizes))
+        if layout is not None and list(layout.sizes) != sizes:
+            raise ValueError(f"row layout {layout.describe()} does not match output_sizes {sizes}")
         self.bias_pieces: list[bool] = flags
         self.output_sizes: list[int] = sizes
+        self.row_layout: RowLayout | None = layout
+        """How the pieces' rows are ordered (`fusegen.runtime.layout`); None: contiguous, in piece order."""
         super().__init__(in_features, sum(sizes), bias=any(flags), device=device, dtype=dtype)
         self.output_sizes = sizes
 
@@ -102,20 +109,26 @@ class MergedColumnLinear(nn.Linear):
         """Set the bias rows of the pieces that have no bias to zero (what a fused-layout checkpoint stores)."""
         if self.bias is None or self.bias.is_meta:
             return
-        for index, piece in enumerate(self.bias.split(self.output_sizes)):
-            if not self.bias_pieces[index]:
-                piece.zero_()
+        layout = layout_of(self)
+        for index, kept in enumerate(self.bias_pieces):
+            if not kept:
+                self.bias.index_fill_(0, layout.piece_rows(index).to(self.bias.device), 0)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.bias is None or all(self.bias_pieces):
             return super().forward(input)
-        pieces = self.bias.split(self.output_sizes)
-        bias = torch.cat([piece if kept else torch.zeros_like(piece) for piece, kept in zip(pieces, self.bias_pieces)])
+        layout = layout_of(self)
+        pieces = layout.split(self.bias)
+        bias = layout.merge(
+            [piece if kept else torch.zeros_like(piece) for piece, kept in zip(pieces, self.bias_pieces)]
+        )
         return F.linear(input, self.weight, bias)
 
     def extra_repr(self) -> str:
         """Show the per-projection sizes, so a printed model reveals how the fused output is laid out."""
         text = f"{super().extra_repr()}, output_sizes={self.output_sizes}"
+        if not layout_of(self).is_contiguous:
+            text = f"{text}, row_layout={layout_of(self).describe()}"
         return text if all(self.bias_pieces) or self.bias is None else f"{text}, bias_pieces={self.bias_pieces}"
 
 
@@ -157,6 +170,10 @@ def linear_pieces(
     sizes = [int(size) for size in sizes]
     pieces = [int(piece) for piece in pieces]
     contiguous = pieces == list(range(pieces[0], pieces[0] + len(pieces)))
+    layout = layout_of(linear) if getattr(linear, "output_sizes", None) is not None else RowLayout.contiguous(sizes)
+    if not layout.is_contiguous:
+        outputs = layout.split(linear(input), dim=-1)  # interleaved rows: one GEMM, then the pieces gathered
+        return tuple(outputs[piece] for piece in pieces)
     if not (contiguous and _computes_as_plain(linear) and sizes == linear.output_sizes):
         outputs = linear(input).split(sizes, dim=-1)
         return tuple(outputs[piece] for piece in pieces)

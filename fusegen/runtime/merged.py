@@ -30,7 +30,13 @@ def find_merged_linear(model: nn.Module | None, param_name: str | None) -> nn.Mo
     """
     if model is None or not param_name:
         return None
-    module_path = param_name.rpartition(".")[0]
+    return find_merged_module(model, param_name.rpartition(".")[0])
+
+
+def find_merged_module(model: nn.Module | None, module_path: str) -> nn.Module | None:
+    """`find_merged_linear` by the module's path (a quantized module's state may be `weight.absmax`, two levels down)."""
+    if model is None:
+        return None
     prefix = getattr(model, "base_model_prefix", "") or ""
     candidates = [module_path]
     if prefix:

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .layout import require_contiguous
 from .linear import sizes_attribute
 from .merged import stacked_mapping
 
@@ -109,6 +110,8 @@ def merged_linears(model: nn.Module) -> dict[str, Merged]:
             sizes = getattr(owner, sizes_attribute(attribute), None) or getattr(
                 _base_layer(child), "output_sizes", None
             )
+            if getattr(_base_layer(child), "output_sizes", None) is not None:
+                require_contiguous(_base_layer(child), f"{merged_path}: packing a LoRA adapter")
             if sizes is None or len(sizes) != len(pieces):
                 raise AdapterError(f"{merged_path}: cannot tell the sizes of its pieces {list(pieces)}")
             found[merged_path] = Merged(merged_path, tuple(pieces), tuple(sizes))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .files import CANONICAL, FUSED, Checkpoint, CheckpointError, TensorInfo
+from .layout import require_contiguous
 from .linear import absent_bias_pieces
 from .merged import merged_modules, stacked_mapping
 
@@ -51,6 +52,7 @@ def _pieces_for(path: str, module: torch.nn.Module, mapping: Mapping[str, tuple[
             f"{path} is a merged linear but {attribute!r} is not in the stacked mapping {sorted(mapping)}; "
             "pass stacked= or define STACKED_PARAMS_MAPPING in the model's module"
         )
+    require_contiguous(module, f"{path}: fusegen's own loader and saver")
     if len(pieces) != len(module.output_sizes):
         raise ValueError(f"{path}: mapping lists {pieces} but output_sizes is {module.output_sizes}")
     return pieces
@@ -190,7 +192,8 @@ def plan_load(
 
 
 def check_compatible(name: str, source: TensorInfo, destination: Destination) -> None:
-    """Shapes must match exactly; dtypes may differ (copy_ converts) but not across float / non-float."""
+    """Shapes must match exactly; dtypes may differ (copy_ converts) but not across float / non-float, and a one-byte
+    float (e4m3/e5m2, whose scale is another tensor) fills only a one-byte float."""
     if source.shape != destination.shape:
         raise CheckpointError(
             f"shape {list(source.shape)} in the checkpoint, {list(destination.shape)} expected by the model "
@@ -201,6 +204,14 @@ def check_compatible(name: str, source: TensorInfo, destination: Destination) ->
     if source.dtype.is_floating_point != destination.tensor.is_floating_point():
         raise CheckpointError(
             f"dtype {source.dtype} in the checkpoint cannot fill {destination.tensor.dtype} ({destination.param})",
+            file=source.file,
+            tensor=name,
+        )
+    if source.dtype.is_floating_point and source.dtype.itemsize == 1 and destination.tensor.element_size() != 1:
+        raise CheckpointError(
+            f"dtype {source.dtype} in the checkpoint is a pre-quantized (FP8) tensor whose scale is stored in "
+            f"another tensor; converting it to {destination.tensor.dtype} ({destination.param}) would drop the "
+            "scale. Load this checkpoint with from_pretrained, which applies its quantization_config",
             file=source.file,
             tensor=name,
         )

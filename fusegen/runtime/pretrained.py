@@ -36,6 +36,7 @@ from pathlib import Path
 from .auto import original_name
 from .files import FUSED, LAYOUT_KEY, Checkpoint, CheckpointError, open_checkpoint, weight_file_schemes
 from .merged import normalise_stacked
+from .quantized import load_scope
 from .streaming import reading_session
 from .version import source_module
 
@@ -112,7 +113,7 @@ def _forget_layout(config) -> None:
             delattr(config, key)
 
 
-def _save_canonical(model) -> None:
+def save_canonical(model) -> None:
     """Make `save_pretrained` split the merged tensors again after a fused-layout load.
 
     Transformers' save reverses only the conversions that were USED at load (`model._weight_conversions`); loading
@@ -130,7 +131,35 @@ def _save_canonical(model) -> None:
         if isinstance(conversion, WeightConverter)
         and any(isinstance(op, MergedColumnConcatenate) for op in conversion.operations)
     ]
-    model._weight_conversions = [*(getattr(model, "_weight_conversions", None) or []), *merges]
+    present = getattr(model, "_weight_conversions", None) or []
+    known = {(tuple(c._original_source_patterns), tuple(c._original_target_patterns)) for c in present}
+    merges = [
+        c for c in merges if (tuple(c._original_source_patterns), tuple(c._original_target_patterns)) not in known
+    ]
+    model._weight_conversions = [*present, *merges]
+
+
+def named_error(cls: type, error: CheckpointError) -> CheckpointError:
+    """`error` with the name of the class whose `from_pretrained` was called in front of its problem (once)."""
+    if error.problem.startswith(f"{cls.__name__}: "):
+        return error
+    return CheckpointError(f"{cls.__name__}: {error.problem}", file=error.file, tensor=error.tensor)
+
+
+def reversible_conversions(conversions: list) -> list:
+    """`conversions` without the quantizers' deserializers (a bitsandbytes pre-quantized load records its
+    `Bnb4bitDeserialize` converter, whose op has no `reverse_op`, so Transformers' save raises NotImplementedError,
+    for the original class too). Leaving them out is exact: a deserializer turns `q_proj.weight`, `q_proj.absmax`, ...
+    into the module's state under the SAME module name, and the quantized module's own `state_dict` writes those
+    serialized entries back (e.g. bitsandbytes' `_save_to_state_dict`), so there is nothing to reverse."""
+    kept = []
+    for conversion in conversions:
+        try:
+            [op.reverse_op for op in getattr(conversion, "operations", [])]
+        except NotImplementedError:
+            continue
+        kept.append(conversion)
+    return kept
 
 
 def fused_from_pretrained(cls: type, load: Callable, path, *model_args, **kwargs):
@@ -143,18 +172,21 @@ def fused_from_pretrained(cls: type, load: Callable, path, *model_args, **kwargs
     root = _validated_directory(path, kwargs)
     layout = None
     if root is not None:
-        with open_checkpoint(root, allow_pickle=allow_pickle, allowed_roots=_hub_blobs(root)) as checkpoint:
-            layout = checkpoint.layout
-            if layout == FUSED:
-                check_fused_rows(cls, checkpoint)
-                weights = (checkpoint.index or checkpoint.files[0]).relative_to(root).as_posix()
-                kwargs = _point_at(root, weights, kwargs)
-    with reading_session():
+        try:
+            with open_checkpoint(root, allow_pickle=allow_pickle, allowed_roots=_hub_blobs(root)) as checkpoint:
+                layout = checkpoint.layout
+                if layout == FUSED:
+                    check_fused_rows(cls, checkpoint)
+                    weights = (checkpoint.index or checkpoint.files[0]).relative_to(root).as_posix()
+                    kwargs = _point_at(root, weights, kwargs)
+        except CheckpointError as error:
+            raise named_error(cls, error) from None
+    with reading_session(), load_scope():
         loaded = load(path, *model_args, **kwargs)
     if layout == FUSED:
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         _forget_layout(model.config)
-        _save_canonical(model)
+        save_canonical(model)
     return loaded
 
 
@@ -206,16 +238,24 @@ class FusedPreTrainedMixin:
 
     @classmethod
     def _finalize_model_loading(cls, model, load_config, loading_info):
-        """Raise instead of randomly initialising a merged parameter the checkpoint did not fill (see check_loading);
-        under tensor parallelism, give merged parameters read whole their honest placement (`tp.describe_loaded`)."""
+        """Transformers' finalisation between fusegen's checks and fixes (fusegen/runtime/strict.py): raise instead of
+        randomly initialising a merged parameter the checkpoint filled in part (one it lacks entirely is missing, as
+        for the original); under tensor parallelism, give merged parameters read whole their honest placement
+        (`tp.describe_loaded`); after it, stack the merged linears built split for a quantized load
+        (fusegen/runtime/quantized.py)."""
+        from .quantized import compose_merged_linears, piecewise_sites
         from .strict import check_loading
 
-        check_loading(model, loading_info, load_config.pretrained_model_name_or_path)
+        check_loading(model, loading_info, load_config.pretrained_model_name_or_path, caller=cls.__name__)
         if any(getattr(module, "tp_partition", None) is not None for module in model.modules()):
             from .tp.styles import describe_loaded
 
             describe_loaded(model)  # merged parameters read whole (replicated kv heads) get their true placement
-        return super()._finalize_model_loading(model, load_config, loading_info)
+        loading_info = super()._finalize_model_loading(model, load_config, loading_info)
+        if piecewise_sites(model):
+            compose_merged_linears(model)
+            save_canonical(model)
+        return loading_info
 
     @classmethod
     def is_custom_code(cls):
@@ -255,10 +295,19 @@ class FusedPreTrainedMixin:
         register_canonical_state_hooks(self)  # distributed (DTensor) state dicts in canonical names: FSDP2, TP
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto)."""
+        """Transformers' save_pretrained; config.json then names the original classes (fusegen.runtime.auto).
+
+        Conversions that cannot be reversed are left out while saving (see `reversible_conversions`)."""
         from .auto import save_pretrained as save_pretrained_canonically
 
-        return save_pretrained_canonically(self, super().save_pretrained, save_directory, *args, **kwargs)
+        used = getattr(self, "_weight_conversions", None)
+        if used:
+            self._weight_conversions = reversible_conversions(used)
+        try:
+            return save_pretrained_canonically(self, super().save_pretrained, save_directory, *args, **kwargs)
+        finally:
+            if used:
+                self._weight_conversions = used
 
     def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
         """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""

@@ -21,6 +21,7 @@ try:  # Transformers >= 5.21 keeps the style registry in parallel_utils, 5.20 in
 except ImportError:
     from transformers.distributed.tensor_parallel import _AllReduceBackward
 
+from ..layout import require_contiguous
 from ..linear import absent_bias_pieces
 from .partition import RowPartition, check_head_counts, partition_rows
 
@@ -113,6 +114,7 @@ class MergedColumnParallel(TensorParallelLayer):
                 f"{model_name(module)}: the {MERGED_COLWISE!r} rule cannot be honoured: {type(module).__name__} is "
                 f"not a merged linear (it has no output_sizes to split piece by piece)"
             )
+        require_contiguous(module, f"{model_name(module)}: tensor parallelism ({MERGED_COLWISE})")
         partition = _partition(module, mesh)
         module._parameters[param] = nn.Parameter(
             _local_dtensor(module, tensor, partition, mesh), requires_grad=tensor.requires_grad
