@@ -5,7 +5,7 @@
 #
 # Fused:
 #   FusedBertSelfAttention: query + key + value -> qkv_proj (qkv)
-"""Fused BertModel: sibling projections merged into one GEMM each.
+"""Fused BertModel: sibling projections merged into one GEMM each (qkv_proj).
 
 Loads and saves the canonical bert checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.

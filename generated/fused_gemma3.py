@@ -8,7 +8,8 @@
 #   FusedGemma3RMSNorm: forward -> torch.nn.functional.rms_norm (rmsnorm, weight-then-cast, eps=self.eps)
 #   FusedGemma3Attention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedGemma3MLP: gate_proj + up_proj -> gate_up_proj (glu)
-"""Fused Gemma3ForConditionalGeneration: sibling projections merged into one GEMM each.
+"""Fused Gemma3ForConditionalGeneration: sibling projections merged into one GEMM each (qkv_proj, gate_up_proj);
+FusedGemma3RMSNorm: forward computed by one torch.nn.functional.rms_norm call.
 
 Loads and saves the canonical gemma3 checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.
@@ -399,6 +400,7 @@ class FusedGemma3RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x):
+        # fusegen: rms_norm equals the statements below for a float eps only; any other eps runs them
         if type(self.eps) is float:
             return (
                 torch.nn.functional.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)

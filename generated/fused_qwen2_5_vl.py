@@ -8,7 +8,8 @@
 #   FusedQwen2_5_VLMLP: gate_proj + up_proj -> gate_up_proj (glu)
 #   FusedQwen2_5_VLAttention: q_proj + k_proj + v_proj -> qkv_proj (qkv)
 #   FusedQwen2MLP: gate_proj + up_proj -> gate_up_proj (glu)
-"""Fused Qwen2_5_VLForConditionalGeneration: sibling projections merged into one GEMM each.
+"""Fused Qwen2_5_VLForConditionalGeneration: sibling projections merged into one GEMM each (gate_up_proj, qkv_proj);
+FusedQwen2_5_VLRMSNorm: forward computed by one torch.nn.functional.rms_norm call.
 
 Loads and saves the canonical qwen2_5_vl checkpoint layout; STACKED_PARAMS_MAPPING says
 which checkpoint tensors make up each merged linear, in row order.
@@ -97,6 +98,7 @@ class FusedQwen2_5_VLRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # fusegen: rms_norm equals the statements below for a float eps and a float32/bfloat16/float16 input only
         if type(self.variance_epsilon) is float and hidden_states.dtype in (
             torch.float32,
             torch.bfloat16,

@@ -127,14 +127,15 @@ class _Owner(nn.Module):
 def test_the_checkpoint_converters_follow_the_layout(layout):
     """Loading concatenates the canonical pieces into the declared row order; saving splits them back."""
     model = _Owner(layout)
-    names = [f"{piece}.weight" for piece in ("q_proj", "k_proj", "v_proj")[: len(layout.sizes)]]
+    # Module-level patterns, as build_stacked_converters writes them (`q_proj` -> `qkv_proj`; the leaf follows).
+    names = list(("q_proj", "k_proj", "v_proj")[: len(layout.sizes)])
     pieces = _pieces(layout)
     loaded = MergedColumnConcatenate().convert(
-        dict(zip(names, [p.clone() for p in pieces])), names, ["qkv_proj.weight"], "qkv_proj.weight", model
+        dict(zip(names, [p.clone() for p in pieces])), names, ["qkv_proj"], "qkv_proj.weight", model
     )
-    [merged] = loaded["qkv_proj.weight"]
+    [merged] = loaded["qkv_proj"]
     assert torch.equal(merged, layout.merge(pieces))
-    saved = MergedColumnSplit().convert({"qkv_proj.weight": merged}, ["qkv_proj.weight"], names, names[0], model)
+    saved = MergedColumnSplit().convert({"qkv_proj.weight": merged}, ["qkv_proj"], names, "q_proj.weight", model)
     assert all(torch.equal(saved[name], piece) for name, piece in zip(names, pieces))
 
 

@@ -113,9 +113,9 @@ def test_saving_splits_the_packed_rows_into_canonical_q_k_v():
     [plan] = packed_qkv.PackedQKVKind().match(None, attention)
     owner = nn.Module()
     owner.c_attn = packed_qkv.merged_linear(attention, plan)
-    names = ["q_proj.weight", "k_proj.weight", "v_proj.weight"]
+    names = ["q_proj", "k_proj", "v_proj"]  # module-level patterns, as build_stacked_converters writes them
     weight = attention.c_attn.weight.detach()
-    saved = MergedColumnSplit().convert({"c_attn.weight": weight}, ["c_attn.weight"], names, names[0], owner)
+    saved = MergedColumnSplit().convert({"c_attn.weight": weight}, ["c_attn"], names, "q_proj.weight", owner)
     canonical = packed_qkv.split_canonical(attention, plan)
     assert [saved[name].shape[0] for name in names] == [32, 32, 32]
     assert all(torch.equal(saved[name], canonical[piece]) for name, piece in zip(names, "qkv"))
