@@ -31,7 +31,7 @@ def rewritten_forward(cls):
     """The forward fusegen's rmsnorm kind writes for `cls`, compiled in its module (raises if it is refused)."""
     import torch
 
-    from fusegen.compiler import astutil
+    from fusegen.core import astutil
     from fusegen.fusions import rmsnorm
 
     with torch.device("meta"):

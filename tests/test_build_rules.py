@@ -3,7 +3,7 @@
 import pytest
 
 from fusegen.compiler.build import analyse, build
-from fusegen.compiler.plan import Veto
+from fusegen.core.plan import Veto
 
 
 def rules(outcomes):

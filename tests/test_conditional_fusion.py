@@ -349,7 +349,7 @@ GEMMA4 = {
 def test_quantizing_or_sharding_a_merged_linear_without_some_bias_is_refused(built):
     """A quantizer's forward or a TP partition would not leave the zero bias rows out: both refuse, by name."""
     from fusegen.runtime.quant import QuantizationRefused, check_quantization
-    from fusegen.runtime.tp import _partition
+    from fusegen.runtime.tp.styles import _partition
 
     fused = built["whisper"].FusedWhisperForCausalLM(whisper_config())
     fused.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
@@ -412,7 +412,7 @@ def test_mla_tp_plan_gives_the_merged_linear_the_mla_style(built):
     """q_a_proj has no rule (replicated) and kv_a_proj_with_mqa is `mla_kv_a_proj` (replicated, the gradient of
     the last qk_rope_head_dim output columns all-reduced): the merged linear, whose last columns are the same, gets
     that style; the plain kv_a_proj_with_mqa of q_lora_rank=None configs keeps its own rule."""
-    from fusegen.runtime.tp import fused_plan_from
+    from fusegen.compiler.mappings import fused_plan_from
 
     plan = built["deepseek_v2"].TP_PLAN
     assert plan["layers.*.self_attn.fused_qkv_a_proj"] == "mla_kv_a_proj"

@@ -109,13 +109,13 @@ def test_trocr_verifies_with_the_upstream_variant_skipped_and_named():
 
 
 def test_a_fused_failure_the_loaded_original_does_not_share_still_fails(tmp_path):
-    from fusegen.tools import coverage
+    from fusegen.tools.coverage import verification
 
     target = resolve("llama")
     config = tiny_config(target)
     random_model(target.causal_lm, config).save_pretrained(tmp_path)
     ids = torch.randint(0, 200, (2, 6))
-    assert coverage._loaded_original_fails(target, tmp_path, ids, torch) is None
+    assert verification._loaded_original_fails(target, tmp_path, ids, torch) is None
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fusegen.tools import coverage
-from fusegen.tools.coverage import ConfigCheck, Inspection, Row, Verification
+from fusegen.tools.coverage import ConfigCheck, Inspection, Row, Verification, markdown, verification
 
 
 @pytest.fixture(scope="module")
@@ -45,19 +45,19 @@ def check(config, status="verified", **kw):
 
 def test_combined_verdict():
     merging = {"FusedA"}
-    ok = coverage._combined([check("tiny", exercised=["FusedA"]), check("x=1", diff=2e-6)], [], merging)
+    ok = verification._combined([check("tiny", exercised=["FusedA"]), check("x=1", diff=2e-6)], [], merging)
     assert (ok.status, ok.max_abs_diff, ok.greedy, ok.reason) == ("verified", 2e-6, "same", "")
-    bad = coverage._combined(
+    bad = verification._combined(
         [check("tiny"), check("x=1", "mismatch", reason="max abs logit diff 0.1 > 1e-05")], [], merging
     )
     assert bad.status == "mismatch" and bad.reason == "under x=1: max abs logit diff 0.1 > 1e-05"
-    skipped = coverage._combined(
+    skipped = verification._combined(
         [check("tiny", exercised=["FusedA"]), check("x=1", "skipped", reason="no")], [], merging
     )
     assert skipped.status == "verified" and "skipped, the original does not run: x=1 (no)" in skipped.reason
-    unexercised = coverage._combined([check("tiny"), check("x=1")], [], merging)
+    unexercised = verification._combined([check("tiny"), check("x=1")], [], merging)
     assert "in none of the configs: FusedA" in unexercised.reason
-    tiny_skipped = coverage._combined([check("tiny", "skipped", reason="no tiny model")], [], merging)
+    tiny_skipped = verification._combined([check("tiny", "skipped", reason="no tiny model")], [], merging)
     assert tiny_skipped.status == "skipped" and tiny_skipped.reason == "no tiny model"
 
 
@@ -114,7 +114,7 @@ def test_summary_sorts_fusions_into_parts_and_counts_trace_stops_and_unreachable
     assert counts["types with attention fused and verified"] == 1
     assert counts["types with a norm fused and verified"] == 1
     assert counts["configs verified (tiny configs and construction variants)"] == 2
-    line = coverage._summary_markdown(rows[0])
+    line = markdown._summary_markdown(rows[0])
     assert "unreachable: ToyMLP" in line and line.endswith("| yes: tiny + 1 variant (b=1) |")
 
 

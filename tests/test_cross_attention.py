@@ -1,5 +1,5 @@
 """One attention class serving self- and cross-attention (Whisper, Bart, BERT-style): q/k/v fused where the switch
-is proved (`fusegen/compiler/rewrite_cross.py`), every cross-attention use still exact.
+is proved (`fusegen/fusions/merged/rewrite_cross.py`), every cross-attention use still exact.
 
 - Real models, built fresh: the decoder with and without encoder states, cached generation through an
   `EncoderDecoderCache` (the branch that reuses the cross-attention k/v), and the gradient of every parameter (and of
@@ -31,9 +31,9 @@ from transformers import (
 )
 
 from fusegen import fusions
-from fusegen.compiler import astutil
 from fusegen.compiler.build import build
-from fusegen.compiler.plan import Refused
+from fusegen.core import astutil
+from fusegen.core.plan import Refused
 from fusegen.runtime import MergedColumnLinear, linear_pieces
 from fusegen.testkit import GRAD_TOLERANCE, TOLERANCE, import_file, random_model, toy_source
 from tests.test_conditional_fusion import WHISPER, expected_gradient

@@ -1,7 +1,7 @@
 """False alarms of the input-stability rules that the Transformers MLA and hybrid attentions hit, and the hazards
 next to each that must stay refused.
 
-Each precision added to `fusegen.compiler.safety` gets a pair of cases built through the fuzzer's harness
+Each precision added to `fusegen.fusions.merged` (hoist, dataflow) gets a pair of cases built through the fuzzer's harness
 (`fusegen.tools.fuzz.Harness`: the toy block compiled by the real pipeline, original and fused layers run on the
 same weights and input): the false alarm now fuses and computes the same, and a hazard that differs only in the
 fact the precision relies on is still refused; with that fact no longer checked (the guard loosened by a
@@ -13,8 +13,8 @@ import ast
 import pytest
 from torch import nn
 
-from fusegen.compiler import safety
-from fusegen.compiler.astutil import self_attr
+from fusegen.core.astutil import self_attr
+from fusegen.fusions.merged import dataflow, hoist
 from fusegen.tools import fuzz
 from fusegen.tools.fuzz import INIT, Case, Harness
 
@@ -57,11 +57,11 @@ def assert_fused_and_same(result):
 
 
 def assert_refused_then_miscompiled(harness, monkeypatch, case, rule, loosened):
-    """`case` is refused by `rule`; with `safety.linear_output` replaced by `loosened` it fuses and differs."""
+    """`case` is refused by `rule`; with `dataflow.linear_output` replaced by `loosened` it fuses and differs."""
     kept = harness.check(case)
     assert not kept.fused and rule in kept.rules, kept
     assert kept.invalid is None, kept
-    monkeypatch.setattr(safety, "linear_output", loosened)
+    monkeypatch.setattr(dataflow, "linear_output", loosened)
     loose = harness.check(case)
     assert loose.fused, f"with the guard loosened the case is still refused: {loose}"
     assert loose.miscompile, f"with the guard loosened the fused case still computes the same: {loose}"
@@ -151,7 +151,7 @@ def test_opaque_alias_read_after_it_is_made_is_still_refused(opaque_harness, mon
     case = Case(("obj = Box(x)", Q, "obj.view()", K, V), "mask_padding")
     kept = opaque_harness.check(case)
     assert not kept.fused and "opaque-alias" in kept.rules, kept
-    monkeypatch.setattr(safety, "_read_first", lambda read, maker, funcdef, parent_of: True)
+    monkeypatch.setattr(hoist, "_read_first", lambda read, maker, funcdef, parent_of: True)
     loose = opaque_harness.check(case)
     assert loose.fused and loose.miscompile, loose
 
@@ -162,7 +162,7 @@ def test_read_before_its_maker_in_a_loop_is_still_refused(opaque_harness, monkey
     case = Case((loop, Q, "u.view()", K, V), "mask_padding")
     kept = opaque_harness.check(case)
     assert not kept.fused and "opaque-alias" in kept.rules, kept
-    monkeypatch.setattr(safety, "enclosing_loop_or_scope", lambda funcdef, node, parent_of=None: None)
+    monkeypatch.setattr(hoist, "enclosing_loop_or_scope", lambda funcdef, node, parent_of=None: None)
     loose = opaque_harness.check(case)
     assert loose.fused and loose.miscompile, loose
 
@@ -199,8 +199,8 @@ class _Hybrid(nn.Module):
 
 
 def _conflicts(linear_attention_plan):
-    from fusegen.compiler.plan import ClassOutcome, FusionPlan
     from fusegen.compiler.vetoes import checkpoint_conflicts
+    from fusegen.core.plan import ClassOutcome, FusionPlan
 
     qkv = FusionPlan("qkv", "qkv_proj", (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)))
     outcomes = [ClassOutcome("_FullAttention", [qkv]), ClassOutcome("_LinearAttention", [linear_attention_plan])]
@@ -209,7 +209,7 @@ def _conflicts(linear_attention_plan):
 
 def test_a_projection_kept_by_a_class_with_other_fusions_vetoes_the_merge():
     # the linear attention fuses gate/up but keeps `q_proj`, at the path where the full attention merges its own
-    from fusegen.compiler.plan import FusionPlan
+    from fusegen.core.plan import FusionPlan
 
     vetoes = _conflicts(FusionPlan("glu", "gate_up_proj", (("gate_proj", 0), ("up_proj", 1))))
     veto = vetoes["_FullAttention"]["qkv_proj"]
@@ -218,14 +218,14 @@ def test_a_projection_kept_by_a_class_with_other_fusions_vetoes_the_merge():
 
 
 def test_a_projection_merged_away_by_its_own_class_vetoes_nothing():
-    from fusegen.compiler.plan import FusionPlan
+    from fusegen.core.plan import FusionPlan
 
     assert _conflicts(FusionPlan("merged_column", "q_gate_proj", (("q_proj", 0), ("gate_proj", 1)))) == {}
 
 
 def test_a_piece_a_conditional_merge_keeps_still_vetoes():
     # where the merged linear is not built (`FusionPlan.kept`), the piece holds an unfused tensor at its path
-    from fusegen.compiler.plan import FusionPlan
+    from fusegen.core.plan import FusionPlan
 
     plan = FusionPlan("merged_column", "q_gate_proj", (("q_proj", 0), ("gate_proj", 1)), kept=("q_proj",))
     assert "qkv_proj" in _conflicts(plan)["_FullAttention"]
@@ -259,7 +259,7 @@ def test_generator_or_closure_used_in_the_region_is_still_refused(opaque_harness
     case = Case(body, "mask_padding")
     kept = opaque_harness.check(case)
     assert not kept.fused and "deferred-capture" in kept.rules, kept
-    monkeypatch.setattr(safety, "_unreachable_until", lambda scope, end, funcdef, parent_of: True)
+    monkeypatch.setattr(hoist, "_unreachable_until", lambda scope, end, funcdef, parent_of: True)
     loose = opaque_harness.check(case)
     assert loose.fused and loose.miscompile, loose
 
@@ -267,8 +267,8 @@ def test_generator_or_closure_used_in_the_region_is_still_refused(opaque_harness
 def test_one_piece_name_merged_into_two_linears_vetoes_both():
     # Kimi Linear: the linear attention merges `q_proj` into `qkv_proj`, the MLA attention at the same path into
     # `q_proj_kv_a_proj_with_mqa`; `layers.N.self_attn.q_proj.weight` cannot feed both
-    from fusegen.compiler.plan import ClassOutcome, FusionPlan
     from fusegen.compiler.vetoes import pieces_merged_apart
+    from fusegen.core.plan import ClassOutcome, FusionPlan
 
     qkv = FusionPlan("qkv", "qkv_proj", (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)))
     q_gate = FusionPlan("merged_column", "q_gate_proj", (("q_proj", 0), ("gate_proj", 1)))

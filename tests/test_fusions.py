@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from fusegen import fusions
-from fusegen.compiler import astutil
 from fusegen.compiler.build import analyse, build
-from fusegen.compiler.mappings import tensor_parallel
-from fusegen.compiler.plan import FusionPlan, Refused
+from fusegen.compiler.mappings import fused_plan_from, tensor_parallel
+from fusegen.core import astutil
+from fusegen.core.plan import FusionPlan, Refused
 from fusegen.fusions.base import Kind
 from fusegen.fusions.linear import LinearKind
-from fusegen.runtime.tp import LOCAL_HEADS, MERGED_COLWISE, fused_plan_from
+from fusegen.runtime.tp import LOCAL_HEADS, MERGED_COLWISE
 from fusegen.testkit import TOLERANCE, max_diff, random_input, random_model, toy_source
 from fusegen.tools import coverage
 

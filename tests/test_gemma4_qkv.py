@@ -1,5 +1,5 @@
 """Gemma 4's q_proj joins k_proj and v_proj (built in a nested block): `qkv_proj` where the layer builds all three,
-q_proj (and k_proj) on their own elsewhere; `fusegen/compiler/rewrite_nested.py`.
+q_proj (and k_proj) on their own elsewhere; `fusegen/fusions/merged/rewrite_nested.py`.
 
 - Equivalence: the checked-in fused class against the original, saved and loaded both ways, logits and every
   gradient, under config variants (kv sharing, attention_k_eq_v, attention_bias, per-layer head_dim and kv heads,
@@ -22,8 +22,8 @@ from torch import nn
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4 import modeling_gemma4
 
-from fusegen.compiler import rewrite_nested, safety
-from fusegen.compiler.plan import FusionPlan, Refused
+from fusegen.core.plan import FusionPlan, Refused
+from fusegen.fusions.merged import rewrite_nested, rules
 from fusegen.runtime import CheckpointError, MergedColumnLinear, load_checkpoint, save_checkpoint
 from fusegen.testkit import TOLERANCE, random_model
 from generated import fused_gemma4_text
@@ -267,7 +267,7 @@ def test_forward_mutations_between_q_and_kv_are_refused(monkeypatch, case):
     with pytest.raises(Refused) as refused:
         rewrite_forward(source)
     assert refused.value.rule == rule, refused.value
-    monkeypatch.setattr(safety, "DISABLED", frozenset(safety.RULE_IDS))
+    monkeypatch.setattr(rules, "DISABLED", frozenset(rules.RULE_IDS))
     rewrite_forward(source)  # only the region rules refused it
 
 

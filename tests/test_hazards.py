@@ -622,7 +622,7 @@ def test_safe_case_is_fused_and_computes_the_same(case_path, tmp_path, name):
 def test_pieces_on_different_devices_are_refused():
     from torch import nn
 
-    from fusegen.compiler.safety import projection_findings
+    from fusegen.fusions.merged.live import projection_findings
 
     block = nn.Module()
     block.q_proj, block.k_proj = nn.Linear(4, 4), nn.Linear(4, 2)

@@ -1,7 +1,7 @@
 """Each safety rule is needed: switched off alone, it lets a miscompile through.
 
 For every rule a small fixed forward is refused by that rule (and by no other
-check that would fire on it); with the rule switched off (`safety.DISABLED`)
+check that would fire on it); with the rule switched off (`rules.DISABLED`)
 the same forward is fused and the fused layer's output differs from the
 original's. So no rule is dead weight, and the differential check is strong
 enough to see what each one prevents.
@@ -9,7 +9,7 @@ enough to see what each one prevents.
 
 import pytest
 
-from fusegen.compiler import safety
+from fusegen.fusions.merged import rules
 from fusegen.tools.fuzz import SETUPS, Case, Harness
 
 pytestmark = pytest.mark.slow  # every rule switched off in turn, each case built and run
@@ -56,7 +56,7 @@ UNTESTABLE = {
 
 
 def test_every_rule_has_a_mutant():
-    assert set(MUTANTS) | set(UNTESTABLE) == set(safety.RULE_IDS)
+    assert set(MUTANTS) | set(UNTESTABLE) == set(rules.RULE_IDS)
     assert set(SETUPS) >= {case.setup for case in MUTANTS.values()}
 
 
@@ -66,7 +66,7 @@ def test_switching_a_rule_off_lets_a_miscompile_through(tmp_path, monkeypatch, r
         kept = harness.check(MUTANTS[rule])
         assert not kept.fused and rule in kept.rules, f"with every rule on: {kept}"
         assert kept.invalid is None, kept
-        monkeypatch.setattr(safety, "DISABLED", frozenset({rule}))
+        monkeypatch.setattr(rules, "DISABLED", frozenset({rule}))
         switched_off = harness.check(MUTANTS[rule])
     assert switched_off.fused, f"with {rule} off the case is still refused: {switched_off}"
     assert switched_off.miscompile, f"with {rule} off the fused case still computes the same: {switched_off}"

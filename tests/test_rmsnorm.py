@@ -15,8 +15,8 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNorm
 
-from fusegen.compiler import astutil
-from fusegen.compiler.plan import Refused
+from fusegen.core import astutil
+from fusegen.core.plan import Refused
 from fusegen.fusions import rmsnorm
 
 # --- hand-written norms: each differs from an RMS norm in one way, and must be refused -----------------------------

@@ -24,18 +24,18 @@ import pytest
 import torch
 from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from fusegen.compiler.mappings import fused_plan_from
 from fusegen.runtime.tp import (
     LOCAL_HEADS,
     MERGED_COLWISE,
     MLA_KV_A,
     PartitionedSplit,
     RowPartition,
-    _unblock,
     check_head_counts,
     check_plan_honoured,
-    fused_plan_from,
     partition_rows,
 )
+from fusegen.runtime.tp.styles import _unblock
 from fusegen.testkit import (
     GRAD_TOLERANCE,
     TOLERANCE,
@@ -355,7 +355,8 @@ def _packed(model_type, path, how):
 
 def _packed_grads(model_type, path):
     """Every parameter's gradient under `apply_packed_tp_plan` against the single-process one (this rank's slice)."""
-    from fusegen.runtime.tp import PACKED_COLWISE, PACKED_ROWWISE, _is_conv1d, apply_packed_tp_plan
+    from fusegen.runtime.tp import PACKED_COLWISE, PACKED_ROWWISE, apply_packed_tp_plan
+    from fusegen.runtime.tp.packed import _is_conv1d
 
     _, original_class = original_classes(model_type)
     tp, single = (original_class.from_pretrained(path).eval() for _ in range(2))
@@ -915,7 +916,7 @@ def test_packed_plan_refuses_falcon_alibi():
 def test_local_heads_config_reads_through_and_survives_a_deep_copy():
     import copy
 
-    from fusegen.runtime.tp import _LocalHeadsConfig
+    from fusegen.runtime.tp.packed import _LocalHeadsConfig
 
     config = small_config(LlamaConfig, num_key_value_heads=2)
     local = _LocalHeadsConfig(config, num_attention_heads=2, num_key_value_heads=1)

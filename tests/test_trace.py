@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from fusegen.compiler.build import analyse
-from fusegen.compiler.match import find_groups
 from fusegen.compiler.trace import record_inputs, trace_module
+from fusegen.fusions.linear import find_groups
 
 
 class _Rotary(nn.Module):
@@ -132,7 +132,7 @@ def test_traces_that_used_to_stop_reach_the_end(model_type, class_name):
 def test_gemma4_attention_is_traced_to_its_qkv_group():
     outcome = next(o for o in analyse("gemma4_text").outcomes if o.class_name == "Gemma4TextAttention")
     assert outcome.trace_error is None
-    # Found, and fused although k_proj/v_proj are built in a nested block (fusegen/compiler/rewrite_nested.py).
+    # Found, and fused although k_proj/v_proj are built in a nested block (fusegen/fusions/merged/rewrite_nested.py).
     assert [plan.projections for plan in outcome.fused] == [("q_proj", "k_proj", "v_proj")] and not outcome.refused
 
 
@@ -151,7 +151,7 @@ def test_moe_layers_do_not_end_the_recording():
 def test_report_names_a_trace_stop_even_when_the_class_fused_something():
     from types import SimpleNamespace
 
-    from fusegen.compiler.plan import ClassOutcome, FusionPlan
+    from fusegen.core.plan import ClassOutcome, FusionPlan
     from fusegen.tools.report import report_text
 
     plan = FusionPlan("glu", "gate_up_proj", (("gate_proj", 0), ("up_proj", 1)))

@@ -10,8 +10,8 @@ import importlib
 import pytest
 import torch
 
-from fusegen.compiler import rewrite_forward
 from fusegen.compiler.build import build
+from fusegen.fusions.merged import rewrite_forward
 from fusegen.testkit import GRAD_TOLERANCE, MODELS, TOLERANCE, model_classes, random_model, small_config
 from tests.test_hazards import GLU_INIT, write_case
 

@@ -16,11 +16,11 @@ import sys
 from torch import nn
 
 from fusegen import fusions
-from fusegen.compiler import astutil
 from fusegen.compiler.match import find_plans
-from fusegen.compiler.plan import ClassOutcome, Refusal, Refused, Veto, Vetoes
 from fusegen.compiler.trace import Recorded, trace_module
 from fusegen.compiler.vetoes import find_vetoes
+from fusegen.core import astutil
+from fusegen.core.plan import ClassOutcome, Refusal, Refused, Veto, Vetoes
 
 
 def analyse_classes(

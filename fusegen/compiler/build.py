@@ -28,7 +28,6 @@ from fusegen.compiler.imports import import_block
 from fusegen.compiler.instantiate import candidates, instantiate
 from fusegen.compiler.mappings import checkpoint_classes, stacked_mapping, tensor_parallel
 from fusegen.compiler.methods import CHECK, MIXIN, REGISTER, REGISTER_AUTO, TEMPLATE_NAMES, add_runtime_base
-from fusegen.compiler.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes, merged_linears
 from fusegen.compiler.propagate import Emitted, classes_to_emit, fused_name, fused_names, rename_classes
 from fusegen.compiler.reachable import refuse_unreachable
 from fusegen.compiler.render import render
@@ -36,6 +35,7 @@ from fusegen.compiler.resolve import Target, resolve
 from fusegen.compiler.scopes import parents
 from fusegen.compiler.splice import class_text
 from fusegen.compiler.trace import record_inputs
+from fusegen.core.plan import ClassOutcome, FusionPlan, Refusal, Veto, Vetoes, merged_linears
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fusegen import fusions
+from fusegen.compiler.inputs import model_config, tiny_config
 from fusegen.compiler.resolve import Target
 from fusegen.errors import InputError
 
@@ -60,8 +61,7 @@ def instantiate(target: Target) -> nn.Module:
 
 
 def _causal_lm_config(target: Target, config):
-    """The part of a composite default config the causal LM takes (`fusegen.testkit.model_config`)."""
-    from fusegen.testkit import model_config
+    """The part of a composite default config the causal LM takes (`fusegen.compiler.inputs.model_config`)."""
 
     return model_config(target, config)
 
@@ -74,7 +74,6 @@ def _tiny(target: Target) -> nn.Module | None:
     default config itself is rejected by its own validation (Gemma 4
     assistant), since the tiny config sets the fields that validation wants.
     """
-    from fusegen.testkit import tiny_config
 
     try:
         config = tiny_config(target)

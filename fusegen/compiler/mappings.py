@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
 from torch import nn
 
 from fusegen import fusions
-from fusegen.compiler.plan import FusionPlan
 from fusegen.compiler.resolve import Target
+from fusegen.core.plan import FusionPlan
 from fusegen.errors import InputError
-from fusegen.runtime.tp import fused_plan_from
+from fusegen.runtime.tp.styles import LOCAL_HEADS, MERGED_COLWISE, MLA_KV_A
 
 
 def stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
@@ -41,7 +44,7 @@ def checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str]
 
 def tensor_parallel(model: nn.Module, plans: list[FusionPlan], parents: dict) -> dict:
     """Template data for tensor parallelism: the fused form of the config's `base_model_tp_plan` (or why there is
-    none); see fusegen/runtime/tp.py. The kinds say which merged linears hold attention heads
+    none); see fusegen/runtime/tp/. The kinds say which merged linears hold attention heads
     (`Kind.head_sharded`), except a merge that exists only in some configs (`FusionPlan.kept`, see
     `head_sharded_everywhere`)."""
     original = getattr(model.config, "base_model_tp_plan", None)
@@ -61,3 +64,50 @@ def head_sharded_everywhere(plan: FusionPlan) -> bool:
     original, and the projections it keeps (`q_proj`, `k_proj`) their own rules (`fused_plan_from`'s `kept`).
     """
     return fusions.kind(plan.kind).head_sharded and not plan.kept
+
+
+def fused_plan_from(
+    original: Mapping[str, str] | None,
+    stacked: Mapping[str, Sequence[tuple[str, Any]]],
+    parents: Mapping[str, Sequence[str]] | None = None,
+    heads: Collection[str] | None = None,
+    kept: Collection[str] = (),
+) -> tuple[dict[str, str] | None, str | None]:
+    """Derive a generated file's `TP_PLAN` from the original config's `base_model_tp_plan`: `(plan, None)` or
+    `(None, why not)`. The style names are the runtime's (`fusegen.runtime.tp.styles`).
+
+    Each merged linear takes one `fusegen_merged_colwise` rule where all of its pieces had `colwise` ones (a merge
+    of attention heads also gets `fusegen_local_heads` on its owner: the merged names in `heads`, which the
+    compiler takes from the fusion kinds; without it, a merge whose shard ids are q, k, v); other rules are kept.
+    Pieces with any other style (e.g. `colwise_gather_output`) cannot be merged this way, and then no plan is
+    derived. A piece in `kept` is built on its own in the configs without the merged linear (a conditional
+    fusion), so its own rule stays as well.
+    """
+    if not original:
+        return None, "the original config has no base_model_tp_plan"
+    piece_of = {name: merged for merged, pieces in stacked.items() for name, _ in pieces}
+    plan: dict[str, str] = {}
+    for key, style in original.items():
+        owner, _, leaf = key.rpartition(".")
+        merged = piece_of.get(leaf)
+        if merged is None or (parents and merged in parents and owner.rpartition(".")[2] not in parents[merged]):
+            plan[key] = style
+            continue
+        if leaf in kept:
+            plan[key] = style
+        pieces = stacked[merged]
+        ordered = [original.get(f"{owner}.{name}" if owner else name) for name, _ in pieces]
+        if ordered[-1] == MLA_KV_A and not any(ordered[:-1]):
+            # MLA's q_a_proj (replicated, no rule) + kv_a_proj_with_mqa (`mla_kv_a_proj`): that style keeps the
+            # weight replicated and all-reduces the gradient of the output's last `qk_rope_head_dim` columns, which
+            # in the merged output are still kv_a_proj_with_mqa's rope columns; the q_a columns pass untouched.
+            plan.setdefault(f"{owner}.{merged}" if owner else merged, MLA_KV_A)
+            continue
+        styles = set(ordered)
+        if styles != {"colwise"}:
+            return None, f"{key} is {style!r}; fusegen merges only pieces that are all 'colwise'"
+        head_sharded = merged in heads if heads is not None else [shard for _, shard in pieces] == ["q", "k", "v"]
+        if head_sharded and owner:
+            plan.setdefault(owner, LOCAL_HEADS)
+        plan.setdefault(f"{owner}.{merged}" if owner else merged, MERGED_COLWISE)
+    return plan, None

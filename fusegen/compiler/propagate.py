@@ -22,8 +22,8 @@ from types import ModuleType
 
 from torch import nn
 
-from fusegen.compiler import astutil
-from fusegen.compiler.plan import Refused
+from fusegen.core import astutil
+from fusegen.core.plan import Refused
 from fusegen.errors import InputError
 
 PREFIX = "Fused"
@@ -310,7 +310,7 @@ def classes_to_emit(
     (`got_ocr2` builds on other models' classes); it is read in its own
     module's terms.
     """
-    universe = _model_classes(target_module, model)
+    universe = model_specific_classes(target_module, model)
     tables = class_tables(universe)
     by_name: dict[str, type] = {}
     for cls in [*rewritten, *universe]:
@@ -383,7 +383,7 @@ def unreachable_reasons(target_module: ModuleType, model: nn.Module, stray: set[
     `name_auto_built` found no exact rewrite naming the copy; otherwise the
     construction is one fusegen cannot follow.
     """
-    universe = {cls.__name__: cls for cls in _model_classes(target_module, model)}
+    universe = {cls.__name__: cls for cls in model_specific_classes(target_module, model)}
     reasons = {}
     for name in stray:
         ancestors = _ancestors(model, name)
@@ -485,7 +485,7 @@ def _class_level_names(classdef: ast.ClassDef) -> set[str]:
     return set().union(*(astutil.loaded_names(part) for part in parts)) if parts else set()
 
 
-def _model_classes(target_module: ModuleType, model: nn.Module) -> list[type]:
+def model_specific_classes(target_module: ModuleType, model: nn.Module) -> list[type]:
     """Model-specific classes the model is built from (module classes and their bases).
 
     Classes of the target module or of any Transformers model module count;

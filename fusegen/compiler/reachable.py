@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from fusegen.compiler.plan import ClassOutcome, Refusal
 from fusegen.compiler.propagate import classes_to_emit, constructed_classes, unreachable_reasons
 from fusegen.compiler.resolve import Target
+from fusegen.core.plan import ClassOutcome, Refusal
 
 
 def refuse_unreachable(

@@ -12,8 +12,9 @@ import sys
 
 from torch import nn
 
-from fusegen.compiler import astutil
-from fusegen.compiler.plan import ClassOutcome, Refused, merged_linears
+from fusegen.compiler.propagate import model_specific_classes
+from fusegen.core import astutil
+from fusegen.core.plan import ClassOutcome, Refused, merged_linears
 
 
 def parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[str]]:
@@ -41,9 +42,7 @@ def parents(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, list[st
 
 def construction_sites(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[str, set[str]]:
     """For each merged name, the attributes its holders are assigned to; "" marks a construction of another form."""
-    from fusegen.compiler.propagate import _model_classes
-
-    classes = _model_classes(sys.modules[type(model).__module__], model)
+    classes = model_specific_classes(sys.modules[type(model).__module__], model)
     merged_by_class = {o.class_name: [plan.merged for plan in merged_linears(o.fused)] for o in outcomes if o.fused}
     holders: dict[str, list[str]] = {}
     for cls in classes:
@@ -71,7 +70,7 @@ def _class_tables(classes, holders: set[str]) -> dict[str, set[str]]:
     """
     tables: dict[str, set[str]] = {}
     for filename in sorted({inspect.getsourcefile(cls) or "" for cls in classes} - {""}):
-        for stmt in astutil._module_tree(filename).body:
+        for stmt in astutil.module_tree(filename).body:
             if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
                 named = {n.id for n in ast.walk(stmt.value) if isinstance(n, ast.Name) and n.id in holders}
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]

@@ -171,7 +171,7 @@ def shrink_values(cls, values: dict[str, Any]) -> dict[str, Any]:
     _shrink_layers(values, names)
     before = {key: value for key, value in values.items() if _is_int(value)}
     for key, value in list(values.items()):
-        rule = _rule_for(names.get(key, key))
+        rule = rule_for(names.get(key, key))
         if rule is not None:
             values[key] = _apply(rule, key, value, before, names)
     _fix_derived(values, names, before)
@@ -427,7 +427,7 @@ RULES: list[tuple[re.Pattern, Any]] = [
 ]
 
 
-def _rule_for(name: str):
+def rule_for(name: str):
     for pattern, rule in RULES:
         if pattern.search(name):
             return rule

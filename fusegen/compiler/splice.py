@@ -42,8 +42,8 @@ from types import ModuleType
 
 import black
 
-from fusegen.compiler import astutil
 from fusegen.compiler.render import MODE
+from fusegen.core import astutil
 
 BLOCK_FIELDS = ("body", "orelse", "finalbody")
 """Fields of a compound statement that hold statement lists (handlers and match cases are nested nodes)."""
@@ -110,7 +110,7 @@ def original_statement(module: ModuleType, name: str) -> tuple[Source, ast.stmt]
     Read from the module's file through linecache, exactly as the interpreter loaded it.
     """
     filename = inspect.getsourcefile(module)
-    for stmt in astutil._module_tree(filename).body:
+    for stmt in astutil.module_tree(filename).body:
         if isinstance(stmt, ast.ClassDef) and stmt.name == name:
             return _source(filename), stmt
         if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets):

@@ -21,23 +21,18 @@ import copy
 import enum
 import inspect
 import operator
-from dataclasses import dataclass
 from unittest import mock
 
 import torch
 import torch.utils._pytree
 from torch import fx, nn
 
+from fusegen.compiler.inputs import extra_inputs
+from fusegen.core.traced import Trace
+
 UNKNOWN = object()
 """The value of a proxy whose result could not be computed on `meta`."""
 _METADATA = {"shape", "dtype", "device", "ndim", "is_floating_point", "dim", "size"}
-
-
-@dataclass
-class Trace:
-    graph: fx.Graph
-    error: str | None
-    """Why the trace stopped early, or None if it reached the end."""
 
 
 class TraceStopped(Exception):
@@ -420,11 +415,9 @@ def _run(root: nn.Module, length: int, **options) -> bool:
     """One forward of `root` on meta `input_ids`; whether it ran to the end. A failure just ends the recording there.
 
     A retry with other `options` only adds the calls of modules not yet recorded (the hook keeps the first call).
-    A model that needs more than tokens to run all its classes gets those inputs too (`fusegen.testkit.extra_inputs`:
+    A model that needs more than tokens to run all its classes gets those inputs too (`fusegen.compiler.inputs.extra_inputs`:
     Mllama's image states, a Gemma 4 assistant's backbone states).
     """
-    from fusegen.testkit import extra_inputs
-
     try:
         extra = extra_inputs(root, 2, length, lambda *shape: torch.empty(*shape, device="meta"))
     except Exception:  # noqa: BLE001 - sizes the config does not spell as expected: tokens alone

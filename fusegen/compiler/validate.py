@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fusegen.compiler.inputs import model_config, random_input, random_model
+from fusegen.compiler.propagate import PREFIX
+from fusegen.compiler.shrink import ShrinkError, rule_for, tiny_config
 from fusegen.errors import first_line as _first_line
 from fusegen.errors import short_error as _short
 
@@ -135,8 +138,6 @@ def validate(target, text: str, checkpointing: bool = False) -> Validation:
 
 
 def _validate_into(validation: Validation, target, text: str, tiny_steps: tuple[str, ...]) -> None:
-    from fusegen.compiler.shrink import ShrinkError, tiny_config
-    from fusegen.testkit import model_config
 
     with _quiet(), _isolated(text, target) as module:
         fused_class = getattr(module, "Fused" + target.causal_lm.__name__, None)
@@ -245,7 +246,6 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
     and 3e-19 in fp64), while any real fault still moves results by orders of magnitude more. fp32 when the
     original does not run in fp64 (a kernel without a double version), and for `NUMERICS`.
     """
-    from fusegen.testkit import random_input, random_model
 
     try:
         original = random_model(original_class, config).to(dtype)
@@ -346,7 +346,6 @@ def _unused(original: nn.Module, fused: nn.Module, merging: set[str]) -> list[st
 
     Logits cannot show this fault: the fused model would silently run the original class there.
     """
-    from fusegen.compiler.propagate import PREFIX
 
     built = {type(module).__name__ for module in fused.modules()}
     originals = {type(module).__name__ for module in original.modules()}
@@ -528,8 +527,6 @@ def construction_variants(
     `layers_block_type`). `probed`, if given, receives `(None, None, config, model)` and then `(field, value,
     variant, model)` for every probed single-field change that builds `config`'s structure (`forward_variants`).
     """
-    from fusegen.compiler.shrink import tiny_config
-    from fusegen.testkit import model_config
 
     base = _built_model(target, config)
     structure = _structure_of(base)
@@ -663,8 +660,6 @@ def dependent_variants(target, config, read, reshrinks: bool, sub_configs: bool 
     """
     if not reshrinks:
         return []
-    from fusegen.compiler.shrink import tiny_config
-    from fusegen.testkit import model_config
 
     found = _dependent_on(
         target, config, config, read, lambda changes: model_config(target, tiny_config(config, **changes))
@@ -783,8 +778,6 @@ def _reshrinks_to_itself(target, config) -> bool:
     each variant is instead `config` itself with the field replaced, derived fields as they were: a derived field
     left stale can only make a variant that builds the tiny model again, which is then dropped (a missed variant).
     """
-    from fusegen.compiler.shrink import tiny_config
-    from fusegen.testkit import model_config
 
     try:
         return _construction_dict(model_config(target, tiny_config(config))) == _construction_dict(config)
@@ -868,9 +861,8 @@ def _type_hints(cls) -> dict[str, str]:
 
 def _small_int(name: str) -> int:
     """A value for an unset integer field: what `fusegen.compiler.shrink` would make of a large one, else 2."""
-    from fusegen.compiler.shrink import _rule_for
 
-    rule = _rule_for(name)
+    rule = rule_for(name)
     return rule(1 << 20) if callable(rule) else 2
 
 

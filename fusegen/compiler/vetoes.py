@@ -11,9 +11,9 @@ import itertools
 
 from torch import nn
 
-from fusegen.compiler import astutil
-from fusegen.compiler.plan import ClassOutcome, Refused, Veto, Vetoes, merged_linears
 from fusegen.compiler.scopes import parents as source_parents
+from fusegen.core import astutil
+from fusegen.core.plan import ClassOutcome, Refused, Veto, Vetoes, merged_linears
 
 
 def find_vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:

@@ -8,8 +8,8 @@ from typing import ClassVar
 
 from torch import nn
 
-from fusegen.compiler.plan import FusionPlan, Refused
-from fusegen.compiler.trace import Trace
+from fusegen.core.plan import FusionPlan, Refused
+from fusegen.core.traced import Trace
 
 
 class Kind:
@@ -29,6 +29,10 @@ class Kind:
     """The kind's id: `FusionPlan.kind`, the report's and the generated header's `(qkv)`."""
     priority: ClassVar[int] = 50
     """Kinds are asked in ascending priority. For linear kinds it decides who claims a linear first."""
+    family: ClassVar[str | None] = None
+    """Kinds that share one search name the same family: the matcher asks only the family's first kind (in priority
+    order), whose `match` returns the plans of every kind of the family (`fusegen.compiler.match`). None: the kind
+    matches on its own."""
     head_sharded: ClassVar[bool] = False
     """Tensor parallelism: the merged linear holds attention heads (q by query heads, k/v by kv heads), so the TP
     plan gives its owner `fusegen_local_heads` (fusegen/runtime/tp.py). Kinds that merge no linears ignore it."""
@@ -47,7 +51,8 @@ class Kind:
         return False
 
     def match(self, trace: Trace, module: nn.Module) -> list[FusionPlan]:
-        """The plans this kind finds in one traced instance (stage 4). Linear kinds claim groups instead (`claim`)."""
+        """The plans this kind finds in one traced instance (stage 4); for a kind of a `family`, the plans of every
+        kind of the family."""
         return []
 
     def check(self, module: nn.Module, plan: FusionPlan) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import fx
 
-from fusegen.compiler.plan import FusionPlan
+from fusegen.core.plan import FusionPlan
 from fusegen.fusions import register
 from fusegen.fusions.linear import LinearKind, roles
 

@@ -3,7 +3,7 @@
 The matcher (`fusegen.compiler.match.find_groups`) finds each group of linears whose first call reads the same
 input node and offers it to the registered `LinearKind`s in priority order; each claims what it recognises and
 leaves the rest. What a claimed plan then goes through is shared by every linear kind and lives here: the live
-checks (`safety.check_projections`), the rewrite of `__init__` (`rewrite_init`) and `forward`
+checks (`live.check_projections`), the rewrite of `__init__` (`rewrite_init`) and `forward`
 (`rewrite_forward`) under the safety rules, and the smaller groups tried when a group is refused. A linear
 plan's `shards` name the pieces in row order; the checkpoint mapping, the scopes, the vetoes and the TP plan
 read them.
@@ -21,15 +21,17 @@ from collections.abc import Iterable
 from torch import fx, nn
 
 from fusegen import fusions
-from fusegen.compiler import astutil
-from fusegen.compiler.match import linear_children
-from fusegen.compiler.plan import FusionPlan, Refused, ShardId
-from fusegen.compiler.rewrite_cross import LINEAR_PIECES
-from fusegen.compiler.rewrite_forward import rewrite_forward
-from fusegen.compiler.rewrite_init import MERGED_LINEAR, check_no_other_uses, rewrite_init, same_block_groups
-from fusegen.compiler.rewrite_nested import rewrite_forward_nested, rewrite_init_nested, spans_blocks
-from fusegen.compiler.safety import RULE_IDS, check_projections, projection_findings
+from fusegen.core import astutil
+from fusegen.core.plan import FusionPlan, Refused, ShardId
+from fusegen.core.traced import Trace
 from fusegen.fusions.base import Kind
+from fusegen.fusions.merged.groups import linear_children, same_input_groups
+from fusegen.fusions.merged.live import check_projections, projection_findings
+from fusegen.fusions.merged.rewrite_cross import LINEAR_PIECES, rewrite_self_or_cross
+from fusegen.fusions.merged.rewrite_forward import differently_spelled, projection_calls, rewrite_forward
+from fusegen.fusions.merged.rewrite_init import MERGED_LINEAR, check_no_other_uses, rewrite_init, same_block_groups
+from fusegen.fusions.merged.rewrite_nested import rewrite_forward_nested, rewrite_init_nested, spans_blocks
+from fusegen.fusions.merged.rules import RULE_IDS
 from fusegen.runtime.linear import sizes_attribute
 
 SIBLINGS = "merged_column"
@@ -42,6 +44,11 @@ class LinearKind(Kind):
     """A kind that merges some of the linears of one same-input group (see the module docstring)."""
 
     runtime_names = frozenset({MERGED_LINEAR, LINEAR_PIECES})
+    family = "merged-linear"
+
+    def match(self, trace: Trace, module: nn.Module) -> list[FusionPlan]:
+        """The plans of every linear kind: the family's one search (`find_groups`)."""
+        return find_groups(trace.graph, module)
 
     def claim(self, nodes: list[fx.Node]) -> tuple[list[FusionPlan], list[fx.Node]]:
         """The plans this kind makes of a same-input group of linear call nodes (each node's `target` is the
@@ -78,8 +85,13 @@ class LinearKind(Kind):
         if spans_blocks(astutil.method(classdef, "__init__"), plan.projections):
             return _rewrite_nested(classdef, plan, module, namespace, fused)
         conditional = rewrite_init(astutil.method(classdef, "__init__"), plan, namespace)
+        forward = astutil.method(classdef, "forward")
         with _merged_linears_present(module, [done for done in fused if done.shards]):
-            rewrite_forward(astutil.method(classdef, "forward"), plan, module, namespace, conditional)
+            calls = projection_calls(forward, plan, conditional)
+            if not conditional and differently_spelled(calls) is not None:
+                rewrite_self_or_cross(forward, plan, calls, module, namespace)  # one input, or two (cross-attention)
+            else:
+                rewrite_forward(forward, plan, module, namespace, conditional, calls)
         return _with_kept(plan, conditional)
 
     def smaller_after_check(self, module: nn.Module, plan: FusionPlan) -> list[FusionPlan]:
@@ -96,6 +108,29 @@ class LinearKind(Kind):
                 return called_before
         # A group read from two inputs (`rewrite_cross`) may be refused by any rule; its same-input part may merge.
         return _same_spelling_subplans(forward, plan)
+
+
+def find_groups(graph: fx.Graph, module: nn.Module) -> list[FusionPlan]:
+    """Every plan the linear kinds make of the same-input groups of `graph` (sorted by projections)."""
+    plans = []
+    for nodes in same_input_groups(graph, module):
+        plans.extend(_split_group(nodes))
+    return sorted(plans, key=lambda plan: plan.projections)
+
+
+def _split_group(nodes: list[fx.Node]) -> list[FusionPlan]:
+    """A same-input group as plans: each linear kind, in priority order, claims what it recognises of the rest.
+
+    Attention and MLP projections may share an input in one class (parallel
+    blocks); keeping them apart keeps the merged names meaningful and lets a
+    tensor-parallel runtime shard each merged linear its own way.
+    """
+    plans = []
+    for kind in fusions.kinds():
+        if isinstance(kind, LinearKind):
+            claimed, nodes = kind.claim(nodes)
+            plans.extend(claimed)
+    return plans
 
 
 def join_names(names: list[str]) -> str:
@@ -151,7 +186,7 @@ def _merged_linears_present(instance: nn.Module, fused: list[FusionPlan]):
 def _rewrite_nested(
     classdef: ast.ClassDef, plan: FusionPlan, module: nn.Module, namespace: dict, fused: list[FusionPlan]
 ) -> FusionPlan:
-    """The rewrite of a plan whose constructors sit in nested blocks (`fusegen.compiler.rewrite_nested`); the plan
+    """The rewrite of a plan whose constructors sit in nested blocks (`fusegen.fusions.merged.rewrite_nested`); the plan
     notes the projections configs without the merged linear still build (`FusionPlan.kept`)."""
     built = rewrite_init_nested(astutil.method(classdef, "__init__"), plan, namespace)
     with _merged_linears_present(module, [done for done in fused if done.shards]):

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from torch import fx
 
-from fusegen.compiler.plan import FusionPlan
+from fusegen.core.plan import FusionPlan
 from fusegen.fusions import register
 from fusegen.fusions.linear import LinearKind, roles
 

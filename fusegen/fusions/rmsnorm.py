@@ -52,10 +52,12 @@ import torch
 from torch import nn
 
 from fusegen import fusions
-from fusegen.compiler import astutil
-from fusegen.compiler.plan import FusionPlan, Refused
-from fusegen.compiler.trace import Trace
+from fusegen.core import astutil
+from fusegen.core.plan import FusionPlan, Refused
+from fusegen.core.traced import Trace
+from fusegen.fusions import leaf
 from fusegen.fusions.base import Kind
+from fusegen.fusions.leaf import guard_forward
 
 KIND = "rmsnorm"
 KERNEL = "torch.nn.functional.rms_norm"
@@ -415,14 +417,7 @@ def rewrite_forward(forward: ast.FunctionDef, plan: NormPlan) -> None:
         condition = f"{condition} and {x}.dtype in ({dtypes})"
     else:
         fast = _emit(plan.term, {n: f"{KERNEL}({x}.to(torch.float32), {kwargs})"}, x)
-    guard = ast.parse(f"if {condition}:\n    return {fast}").body[0]
-    docstring = forward.body[:1] if _is_docstring(forward.body[0]) else []
-    forward.body = docstring + [guard] + forward.body[len(docstring) :]
-    ast.fix_missing_locations(forward)
-
-
-def _is_docstring(stmt: ast.stmt) -> bool:
-    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
+    guard_forward(forward, condition, fast)
 
 
 def _emit(term: Term, replaced: dict[Term, str], x: str) -> str:
@@ -494,12 +489,8 @@ def _cases(norm_shape: tuple, generator: torch.Generator):
 
 
 def compile_forward(cls: type, forward: ast.FunctionDef, namespace: dict | None = None):
-    """The function `forward` defines, executed in the namespace of `cls`'s module."""
-    namespace = dict(namespace if namespace is not None else vars(sys.modules[cls.__module__]))
-    module = ast.Module([copy.deepcopy(forward)], [])
-    ast.fix_missing_locations(module)
-    exec(compile(module, f"<fusegen rmsnorm {cls.__name__}>", "exec"), namespace)  # noqa: S102 - our own rewrite
-    return namespace[forward.name]
+    """The function `forward` defines, executed in the namespace of `cls`'s module (`fusegen.fusions.leaf`)."""
+    return leaf.compile_forward(cls, forward, namespace, KIND)
 
 
 def check_exact(cls: type, instance: nn.Module, plan: NormPlan, namespace: dict | None = None) -> int:
@@ -531,7 +522,9 @@ def compare_forwards(instance: nn.Module, original, rewritten, eps: str, name: s
                 for label, param_dtype, input_dtype in DTYPES:
                     setattr(module, eps, own_eps if value is None else value)
                     state = {k: v.to(param_dtype) for k, v in module.state_dict().items()}
-                    _compare(module, state, original, rewritten, x.to(input_dtype), f"{label}, {what}", name)
+                    leaf.compare_exact(
+                        module, state, original, rewritten, x.to(input_dtype), f"{label}, {what}", name, "norm-inexact"
+                    )
                     cases += 1
     finally:
         setattr(module, eps, own_eps)
@@ -546,47 +539,6 @@ def _resize(module: nn.Module, shape: tuple, generator: torch.Generator) -> None
             module._parameters[name] = nn.Parameter(value)
         else:
             module._buffers[name] = value
-
-
-def _compare(module, state, original, rewritten, x, where: str, name: str) -> None:
-    """Raise `norm-inexact` unless both forwards give equal outputs and equal gradients for one random cotangent."""
-    runs = []
-    for forward in (original, rewritten):
-        params = _fresh_state(module, state)
-        inputs = x.clone().requires_grad_(True)
-        try:
-            runs.append((inputs, params, forward(module, inputs)))
-        except Exception as error:  # noqa: BLE001 - a rewrite that fails where the original runs is a refusal
-            raise Refused("norm-inexact", f"{name}: the rewrite fails on {where}: {error!r}"[:400]) from None
-    (_, _, expected), (_, _, actual) = runs
-    if expected.dtype != actual.dtype or not torch.equal(expected, actual):
-        raise Refused("norm-inexact", f"{name}: output differs on {where}{_diff(expected, actual)}")
-    cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(len(where))).to(expected.dtype)
-    gradients = []
-    for inputs, params, out in runs:
-        gradients.append(torch.autograd.grad(out, [inputs, *params], cotangent, allow_unused=True))
-    for index, (a, b) in enumerate(zip(*gradients)):
-        if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
-            what = "input" if index == 0 else "parameter"
-            raise Refused("norm-inexact", f"{name}: {what} gradient differs on {where}{_diff(a, b)}")
-
-
-def _fresh_state(module: nn.Module, state: dict) -> list[nn.Parameter]:
-    """Set `module`'s parameters and buffers to fresh copies of `state`; the new parameters, in order."""
-    params = []
-    for name, value in state.items():
-        if name in module._parameters:
-            module._parameters[name] = nn.Parameter(value.clone())
-            params.append(module._parameters[name])
-        else:
-            module._buffers[name] = value.clone()
-    return params
-
-
-def _diff(expected: torch.Tensor, actual: torch.Tensor) -> str:
-    if expected.shape != actual.shape or expected.dtype != actual.dtype:
-        return f" ({expected.dtype}{tuple(expected.shape)} vs {actual.dtype}{tuple(actual.shape)})"
-    return f" (max |diff| {(expected.double() - actual.double()).abs().max().item():.3g})"
 
 
 # --- the kind in the pipeline ----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from fusegen.compiler.plan import FusionPlan
+from fusegen.core.plan import FusionPlan
 from fusegen.fusions import register
 from fusegen.fusions.linear import SIBLINGS, LinearKind, join_names
 

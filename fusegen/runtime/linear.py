@@ -144,7 +144,7 @@ def linear_pieces(
 ) -> tuple[torch.Tensor, ...]:
     """Pieces `pieces` (indices into `sizes`, ascending) of `linear(input).split(sizes, dim=-1)`.
 
-    A generated attention that serves both self- and cross-attention (`fusegen/compiler/rewrite_cross.py`) computes
+    A generated attention that serves both self- and cross-attention (`fusegen/fusions/merged/rewrite_cross.py`) computes
     all of q/k/v in one GEMM when q and k/v read the same tensor, and only some pieces when they do not (q on the
     decoder's states, k/v on the encoder's). Exactness: for a plain merged linear (`_computes_as_plain`) and
     contiguous pieces, the result is `F.linear` with those rows of the weight and of the bias (the rows of a piece

@@ -8,7 +8,7 @@ import functools
 import inspect
 import linecache
 
-from fusegen.compiler.plan import Refused
+from fusegen.core.plan import Refused
 
 LOOPS_AND_SCOPES = (
     ast.For,
@@ -41,7 +41,7 @@ def parse_class(cls: type) -> ast.ClassDef:
         raise Refused("no-source", f"the source of {cls.__name__} cannot be recovered ({exc})") from exc
     found = [
         node
-        for node in (_module_tree(filename).body if filename else [])
+        for node in (module_tree(filename).body if filename else [])
         if isinstance(node, ast.ClassDef) and node.name == cls.__name__
     ]
     if len(found) != 1:
@@ -50,7 +50,7 @@ def parse_class(cls: type) -> ast.ClassDef:
 
 
 @functools.lru_cache(maxsize=64)
-def _module_tree(filename: str) -> ast.Module:
+def module_tree(filename: str) -> ast.Module:
     """Each source file is parsed once per process; `parse_class` hands out copies."""
     return ast.parse("".join(linecache.getlines(filename)), filename)
 

@@ -1,4 +1,4 @@
-"""The rules that keep hoisting a merged GEMM from changing what it reads.
+"""The hoisting rules: what keeps moving a merged GEMM up front from changing what it reads.
 
 Fusing moves every projection call to one merged call placed before the
 first of them, so the merged GEMM reads its input once, up front, where the
@@ -23,6 +23,10 @@ Everything else is refused, with a stable rule id and the source line. Each
 rule over-approximates on purpose: a false alarm costs one fusion, a miss
 returns wrong numbers.
 
+The names the rules trust come from one vocabulary (`fusegen.core.vocabulary`); which names may alias the input
+comes from `fusegen.fusions.merged.dataflow`, what a name denotes from `fusegen.fusions.merged.lookup`, and what a
+child module is from `fusegen.fusions.merged.live`.
+
 What the analysis trusts without checking (documented in docs/analysis.md):
 the projection input, and the output of a plain `nn.Linear` child (`linear_output`),
 is a tensor whose methods keep their documented meaning; a callee handed no alias of the input reaches it only through
@@ -37,221 +41,50 @@ import builtins
 import copy
 import inspect
 import itertools
-import operator
 import types
 
 import torch
 from torch import nn
 
-from fusegen.compiler.astutil import enclosing_loop_or_scope, parents, self_attr
-from fusegen.compiler.plan import Refused
-
-METADATA_ATTRS = frozenset(
-    {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_meta", "is_sparse",
-     "is_quantized", "is_leaf", "names"}
-)  # fmt: skip
-"""Attributes that are ints, tuples or flags: they share no storage with the tensor."""
-
-METADATA_METHODS = frozenset(
-    {"size", "dim", "numel", "stride", "is_contiguous", "element_size", "get_device", "nelement", "item", "tolist",
-     "is_floating_point", "is_complex", "data_ptr", "storage_offset", "ndimension", "has_names"}
-)  # fmt: skip
-"""Methods that return ints, tuples, flags or Python copies of the values."""
-
-PURE_METHODS = frozenset(
-    {
-        *METADATA_METHODS,
-        "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "contiguous", "unsqueeze",
-        "squeeze", "flatten", "unflatten", "expand", "expand_as", "repeat", "repeat_interleave", "chunk", "split",
-        "narrow", "select", "unbind", "t", "to", "float", "half", "bfloat16", "double", "int", "long", "bool",
-        "type", "type_as", "clone", "detach", "cpu", "matmul", "mm", "bmm", "add", "sub", "mul", "div",
-        "pow", "sqrt", "rsqrt", "exp", "log", "mean", "sum", "norm", "softmax", "log_softmax", "sigmoid", "tanh",
-        "masked_fill", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "abs", "neg", "max", "min",
-        "amax", "amin", "argmax", "argmin", "cumsum", "var", "std", "clamp", "clip", "where", "gather", "flip",
-        "roll", "tril", "triu", "sin", "cos", "relu", "square", "reciprocal", "any", "all", "eq", "ne", "lt",
-        "le", "gt", "ge", "isnan", "isinf", "topk", "sort", "argsort", "index_select", "masked_select", "movedim",
-        "swapaxes", "mT", "unfold", "float_power", "floor_divide", "remainder", "fmod", "round", "floor", "ceil",
-        "__getitem__", "__len__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-        "__truediv__", "__rtruediv__", "__matmul__", "__neg__", "__pow__", "__eq__", "__ne__", "__lt__", "__gt__",
-        "__le__", "__ge__", "__bool__", "__float__", "__int__",
-    }
-)  # fmt: skip
-"""Tensor methods that never write their receiver or arguments (some return views: those alias)."""
-
-PURE_TORCH = frozenset(
-    {
-        "cat", "concat", "concatenate", "stack", "hstack", "vstack", "matmul", "mm", "bmm", "baddbmm", "addmm",
-        "einsum", "softmax", "log_softmax", "sigmoid", "tanh", "relu", "exp", "log", "sqrt", "rsqrt", "abs",
-        "sin", "cos", "pow", "mean", "sum", "prod", "max", "min", "amax", "amin", "argmax", "argmin", "cumsum",
-        "var", "std", "norm", "clamp", "clip", "where", "gather", "index_select", "masked_fill", "masked_select",
-        "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "zeros", "ones", "full",
-        "empty", "arange", "linspace", "tensor", "as_tensor", "split", "chunk", "unbind", "transpose", "permute",
-        "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "narrow", "select", "flip", "roll", "tril",
-        "triu", "outer", "polar", "view_as_real", "view_as_complex", "topk", "sort", "argsort", "eq", "ne", "lt",
-        "le", "gt", "ge", "isnan", "isinf", "isfinite", "all", "any", "logical_not", "logical_and", "logical_or",
-        "add", "sub", "mul", "div", "neg", "erf", "square", "reciprocal", "movedim", "swapaxes", "broadcast_to",
-        "diag", "diagonal", "repeat_interleave", "is_tensor", "is_floating_point", "is_complex", "numel",
-        "finfo", "iinfo", "is_grad_enabled", "is_autocast_enabled", "get_default_dtype", "result_type",
-        "promote_types", "dropout", "layer_norm", "group_norm", "floor", "ceil", "round", "sign", "maximum",
-        "minimum", "lerp", "addcmul", "addcdiv", "bucketize", "searchsorted", "cdist", "dot", "clone", "detach",
-        "float_power", "remainder", "fmod", "floor_divide", "logsumexp", "tile", "expand_copy", "atleast_1d",
-        "atleast_2d", "atleast_3d",
-    }
-)  # fmt: skip
-"""Functions of the `torch` namespace that return new values (views alias) and write nothing.
-
-Not every `torch` function without a trailing underscore is pure: the
-collectives (`torch.distributed.all_reduce`), `nn.utils.vector_to_parameters`
-and `torch.ops` overloads write their arguments, so only these names count.
-"""
-
-FRESH_METHODS = frozenset({"clone", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
-"""Tensor methods whose result is always new storage, whatever the receiver: it aliases nothing."""
-
-PURE_BUILTINS = frozenset(
-    {"len", "isinstance", "tuple", "list", "range", "min", "max", "int", "float", "bool", "str", "type", "zip",
-     "enumerate", "hasattr", "print", "repr", "abs", "sum", "any", "all", "sorted", "reversed", "id", "divmod",
-     "round", "dict", "set", "frozenset", "slice", "next", "callable", "issubclass",
-     "hash", "format", "ValueError", "TypeError", "RuntimeError", "NotImplementedError", "KeyError",
-     "AssertionError", "IndexError", "AttributeError", "Exception"}
-)  # fmt: skip
-"""Builtins that may read a tensor but never write it (not `map`, `filter`, `iter`: they call what they are given)."""
-
-PURE_OPERATORS = frozenset(
-    {"add", "sub", "mul", "truediv", "floordiv", "matmul", "neg", "pos", "pow", "mod", "getitem", "itemgetter",
-     "attrgetter", "eq", "ne", "lt", "le", "gt", "ge", "not_", "truth", "is_", "is_not", "index", "contains",
-     "length_hint", "and_", "or_", "xor", "invert", "abs"}
-)  # fmt: skip
-"""`operator` functions that compute a value; the `i*` forms, `setitem` and `delitem` write their first operand."""
-
-INPLACE_DUNDERS = frozenset(
-    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__",
-     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
-)  # fmt: skip
-"""Tensor dunders that write their receiver (and keep no reference to their operands)."""
-
-REFLECTION_NAMES = frozenset(
-    {"eval", "exec", "locals", "vars", "globals", "compile", "__import__", "breakpoint", "__builtins__"}
+from fusegen.core.astutil import enclosing_loop_or_scope, parents, self_attr
+from fusegen.core.plan import Refused
+from fusegen.core.vocabulary import (
+    FRAME_ATTRS,
+    METADATA_ATTRS,
+    METADATA_METHODS,
+    PURE_BUILTINS,
+    PURE_METHODS,
+    PURE_OPERATORS,
+    REFLECTION_NAMES,
 )
-"""Builtins that reach every name of the frame, whatever they are handed."""
-
-FRAME_ATTRS = frozenset(
-    {"__dict__", "_getframe", "currentframe", "f_locals", "f_globals", "f_back", "getouterframes",
-     "getinnerframes", "tb_frame", "gi_frame", "cr_frame", "settrace", "setprofile", "_current_frames",
-     "get_objects", "get_referrers", "get_referents"}
-)  # fmt: skip
-"""Attributes that expose a frame's (or an object's) bindings, or every live object (`gc`), to code not handed them."""
+from fusegen.fusions.merged import dataflow
+from fusegen.fusions.merged.dataflow import (
+    aliases,
+    aliases_of,
+    bindings,
+    bound_names,
+    call_may_alias,
+    input_names,
+    keeps_no_reference,
+    loads,
+    local_names,
+    may_alias,
+    region_nodes,
+    sources,
+    stash_targets,
+)
+from fusegen.fusions.merged.live import pure_module
+from fusegen.fusions.merged.lookup import (
+    UNRESOLVED,
+    is_functional,
+    is_pure_torch,
+    operator_module_function,
+    resolve,
+)
+from fusegen.fusions.merged.rules import raise_first
 
 _SCOPES = (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.GeneratorExp)
 """Code that runs later than where it is written, so a walk over the region does not see it run."""
-
-
-def input_names(arg: ast.expr) -> set[str]:
-    """Names the projections' input reads; refuse inputs that compute something.
-
-    Merging evaluates the input expression once instead of once per
-    projection; that is only the same if evaluating it has no effect and
-    always gives the same value (a call such as `self.dropout(x)` does not).
-    """
-    for node in ast.walk(arg):
-        if not isinstance(node, (ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.Slice, ast.Tuple,
-                                 ast.Load, ast.UnaryOp, ast.USub)):  # fmt: skip
-            raise Refused("input-not-simple", f"the projection input `{ast.unparse(arg)}` computes a value", arg)
-    return {node.id for node in ast.walk(arg) if isinstance(node, ast.Name)}
-
-
-def may_alias(expr: ast.expr, tracked: set[str], module: nn.Module) -> bool:
-    """Could the value of `expr` share storage with a tracked name (or be a bound method of one)?"""
-    if isinstance(expr, ast.Name):
-        return expr.id in tracked
-    if isinstance(expr, (ast.Constant, ast.Compare, ast.JoinedStr)):
-        return False
-    if isinstance(expr, ast.Lambda):
-        return bool(_loads(expr) & tracked)  # a closure over an alias (or a default) reaches it when called
-    if isinstance(expr, ast.Attribute):
-        return expr.attr not in METADATA_ATTRS and may_alias(expr.value, tracked, module)
-    if isinstance(expr, ast.Subscript):
-        return may_alias(expr.value, tracked, module)
-    if isinstance(expr, ast.Call):
-        return _call_may_alias(expr, tracked, module)
-    if isinstance(expr, ast.NamedExpr):
-        return may_alias(expr.value, tracked, module)
-    return any(
-        may_alias(child, tracked, module) for child in ast.iter_child_nodes(expr) if isinstance(child, ast.expr)
-    )
-
-
-def _call_may_alias(call: ast.Call, tracked: set[str], module: nn.Module) -> bool:
-    """Could a call's result share storage with a tracked name? Yes if its callee or any operand may."""
-    func = call.func
-    if self_attr(func) and _plain_linear(getattr(module, func.attr, None)):
-        return False  # a linear writes its result into new storage (unless a hook hands back something else)
-    if isinstance(func, ast.Attribute) and (func.attr in METADATA_METHODS or func.attr in FRESH_METHODS):
-        return False
-    if isinstance(func, ast.Attribute) and func.attr in PURE_METHODS and linear_output(func.value, module):
-        return False  # a view of, or new storage made from, the linear's new storage (`self.q_b_proj(q).view(s)`)
-    operands = [func, *call.args, *(keyword.value for keyword in call.keywords)]
-    return any(may_alias(operand, tracked, module) for operand in operands)
-
-
-def _plain_linear(child: object) -> bool:
-    """An exact, hook-free `nn.Linear` without an instance-level `forward`: its output is new storage."""
-    if type(child) is not nn.Linear or module_hooks(child) or global_hooks():
-        return False
-    return "forward" not in vars(child) and "__call__" not in vars(child)
-
-
-def linear_output(expr: ast.expr, module: nn.Module) -> bool:
-    """Is `expr` the result of calling a plain linear child (`self.q_b_proj(q_resid)`)?
-
-    Such a value is a tensor in new storage that nothing else references:
-    `nn.Linear.forward` returns `F.linear(input, weight, bias)` and keeps
-    nothing (`_plain_linear` rules out hooks, subclasses and instance-level
-    forwards). So calling a `PURE_METHODS` method on it writes neither it nor
-    the method's arguments, keeps no reference to them, and returns a view of
-    it, new storage or a non-tensor, never an argument or a view of one.
-    What the child is comes from the instantiated module, as for
-    `pure_module`; a child built as another class in another config is
-    judged when that config is built (`fusegen.compiler.validate`).
-    """
-    return isinstance(expr, ast.Call) and self_attr(expr.func) and _plain_linear(getattr(module, expr.func.attr, None))
-
-
-def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace: dict | None = None) -> set[str]:
-    """`seeds` plus every name in `funcdef` that may be bound to a view of them, or hold one.
-
-    Flow-insensitive (any assignment anywhere counts) and transitive, so
-    chains (`h = x.view(-1); g = h[1:]`), unpacking, bound methods
-    (`op = x.mul_`) and containers (`fns = [x]`) are covered. A local value
-    handed an alias by a call not known to keep no reference (`cache.append(x)`,
-    `stash(cache, x)`) may hold it afterwards, so it is tracked too.
-    """
-    return _aliases(funcdef, seeds, module, namespace, stash=True)
-
-
-def sources(funcdef: ast.FunctionDef, names: set[str], module: nn.Module) -> set[str]:
-    """`names` and every local name (parameters included) they may have been bound from, transitively.
-
-    `aliases` follows the input forward, to names bound from it; the tensor the input names may also be reached
-    through the names it was bound from: after `z = y`, `z = y.view(s)` or `z = a if c else y`, a write through `y`
-    (`y.mul_(2)`) between the projections changes what the later ones read from `z`, though nothing bound from `z`
-    is touched. A binding of a collected name makes every name its value may alias (`may_alias`, the relation
-    `aliases` follows forward) a source too. Flow-insensitive, as `aliases`: any binding anywhere counts, so a
-    false alarm costs a fusion; a miss returns wrong numbers.
-    """
-    local = _local_names(funcdef) - {"self"}
-    bindings = list(_bindings(funcdef))
-    found = set(names)
-    changed = True
-    while changed:
-        changed = False
-        for targets, value in bindings:
-            if {name for target in targets for name in bound_names(target)} & found:
-                new = {name for name in (_loads(value) & local) - found if may_alias(value, {name}, module)}
-                if new:
-                    found |= new
-                    changed = True
-    return found
 
 
 PLAIN_STATE = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device)
@@ -272,7 +105,7 @@ def check_no_state_source(funcdef: ast.FunctionDef, region: list[ast.stmt], trac
     """
     sources = [
         (value, attr)
-        for targets, value in _bindings(funcdef)
+        for targets, value in bindings(funcdef)
         if {name for target in targets for name in bound_names(target)} & tracked
         for attr in _state_attributes(value, module)
     ]
@@ -305,7 +138,7 @@ def _state_root(expr: ast.expr, module: nn.Module) -> str | None:
 def _module_state_writes(region: list[ast.stmt], module: nn.Module):
     """Nodes of the region that may write module state: a store into or augmented assignment of `self.a...`, a
     method of `self.a...` other than a pure or metadata one, a call handed `self` or `self.a...`."""
-    for node in _region_nodes(region):
+    for node in region_nodes(region):
         if isinstance(node, ast.AugAssign) and _state_root(node.target, module):
             yield node
         elif isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
@@ -350,138 +183,6 @@ def _state_attributes(value: ast.expr, module: nn.Module) -> list[str]:
     return found
 
 
-def _aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace, stash: bool) -> set[str]:
-    """`aliases`, with or without the names that come to hold an alias by being handed one (`stash`)."""
-    bindings = list(_bindings(funcdef))
-    local = _local_names(funcdef) - {"self"}
-    calls = [node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Call)] if stash else []
-    tracked = set(seeds)
-    changed = True
-    while changed:
-        changed = False
-        new: set[str] = set()
-        for targets, value in bindings:
-            if may_alias(value, tracked, module):
-                new |= {name for target in targets for name in bound_names(target)}
-        for call in calls:
-            new |= _stash_targets(call, tracked, module, namespace, local)
-        if new - tracked:
-            tracked |= new
-            changed = True
-    return tracked
-
-
-def bound_names(target: ast.expr) -> set[str]:
-    """The names a binding target binds: `a`, `a, (b, *c)`; not the `self` of `self.c = ...`."""
-    if isinstance(target, ast.Name):
-        return {target.id}
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return {name for element in target.elts for name in bound_names(element)}
-    if isinstance(target, ast.Starred):
-        return bound_names(target.value)
-    return set()
-
-
-def _stash_targets(call: ast.Call, tracked: set[str], module: nn.Module, namespace, local: set[str]) -> set[str]:
-    """Local names `call` may make hold an alias: every name it is handed, if it is handed one and may keep it."""
-    operands = [*call.args, *(keyword.value for keyword in call.keywords)]
-    if isinstance(call.func, ast.Attribute) and not self_attr(call.func):
-        operands.append(call.func.value)
-    if not any(may_alias(operand, tracked, module) for operand in operands) or _keeps_no_reference(
-        call, tracked, module, namespace
-    ):
-        return set()
-    return {name for operand in operands for name in _loads(operand)} & local
-
-
-def _keeps_no_reference(call: ast.Call, tracked: set[str], module: nn.Module, namespace) -> bool:
-    """Calls that return a value and store none of their operands anywhere: allowlisted tensor code."""
-    func = call.func
-    if self_attr(func):
-        return pure_module(getattr(module, func.attr, None))
-    if namespace is not None and isinstance(func, (ast.Name, ast.Attribute)):
-        resolved = resolve(func, namespace)
-        if resolved is not _UNRESOLVED:
-            if resolved in (getattr, setattr, delattr) or operator_module_function(resolved) is not None:
-                return resolved is getattr
-            builtin = any(resolved is getattr(builtins, pure, None) for pure in PURE_BUILTINS)
-            return builtin or _functional(resolved) or _pure_torch(resolved) or _torch_inplace(resolved)
-    if isinstance(func, ast.Attribute) and may_alias(func.value, tracked, module):
-        name = func.attr
-        in_place = name.endswith("_") and not name.endswith("__") and name != "set_"
-        return name in PURE_METHODS or name in INPLACE_DUNDERS or in_place
-    # a pure method of a linear's output (`self.q_b_proj(q).view(shape)`): a tensor method
-    return isinstance(func, ast.Attribute) and func.attr in PURE_METHODS and linear_output(func.value, module)
-
-
-def _torch_inplace(function: object) -> bool:
-    """`torch.relu_` and friends: write their first operand, keep no reference to any."""
-    name = getattr(function, "__name__", "") or ""
-    return name.endswith("_") and not name.endswith("__") and getattr(torch, name, None) is function
-
-
-def _bindings(funcdef: ast.FunctionDef):
-    """(targets, value) for every way `funcdef` binds a name to a value."""
-    for node in ast.walk(funcdef):
-        if isinstance(node, ast.Assign):
-            yield node.targets, node.value
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:
-            yield [node.target], node.value
-        elif isinstance(node, (ast.For, ast.AsyncFor)):
-            yield [node.target], node.iter
-        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-            yield [node.optional_vars], node.context_expr
-        elif isinstance(node, ast.comprehension):
-            yield [node.target], node.iter
-        elif isinstance(node, ast.Match):
-            # every capture may be the subject or a part of it (`case w`, `case [w]`, `case Box(t=w)`)
-            captured = sorted(_captures(node))
-            yield [ast.Name(name, ast.Store()) for name in captured], node.subject
-
-
-def _captures(match: ast.Match) -> set[str]:
-    """The names a `match` statement's patterns bind."""
-    names = set()
-    for node in ast.walk(match):
-        if isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
-            names.add(node.name)
-        elif isinstance(node, ast.MatchMapping) and node.rest:
-            names.add(node.rest)
-    return names
-
-
-def _loads(node: ast.AST) -> set[str]:
-    """Names read anywhere under `node`."""
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-
-
-def _local_names(funcdef: ast.FunctionDef) -> set[str]:
-    """Every name `funcdef` binds itself: such a name never denotes the module-level object of that name."""
-    names = {n.id for n in ast.walk(funcdef) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-    names |= {a.arg for a in ast.walk(funcdef) if isinstance(a, ast.arg)}
-    for node in ast.walk(funcdef):
-        if (
-            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            and node is not funcdef
-            or isinstance(node, ast.ExceptHandler)
-            and node.name
-        ):
-            names.add(node.name)
-        elif isinstance(node, ast.alias):
-            names.add((node.asname or node.name).split(".")[0])
-        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
-            names.add(node.name)
-        elif isinstance(node, ast.MatchMapping) and node.rest:
-            names.add(node.rest)
-    return names
-
-
-def _region_nodes(region: list[ast.stmt]):
-    """Every node of the region's statements, nested blocks and scopes included."""
-    for stmt in region:
-        yield from ast.walk(stmt)
-
-
 def check_not_rebound(region: list[ast.stmt], tracked: set[str]):
     """Refuse if the region assigns or deletes a name the input expression reads.
 
@@ -491,7 +192,7 @@ def check_not_rebound(region: list[ast.stmt], tracked: set[str]):
     Every binding form counts: assignment, `del`, `def`/`class`, `import ... as`,
     `except ... as` (which also deletes the name) and `match` captures.
     """
-    for node in _region_nodes(region):
+    for node in region_nodes(region):
         bound = None
         if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
             bound = node.id
@@ -516,7 +217,7 @@ def check_not_written_through(region: list[ast.stmt], tracked: set[str], module:
     A store into an item or attribute writes the object it is taken from,
     whichever statement form does it (assignment, augmented assignment, `del`).
     """
-    for node in _region_nodes(region):
+    for node in region_nodes(region):
         if (
             isinstance(node, (ast.Subscript, ast.Attribute))
             and isinstance(node.ctx, (ast.Store, ast.Del))
@@ -532,7 +233,7 @@ def check_no_aliased_augassign(region: list[ast.stmt], tracked: set[str], names:
     `__iadd__`, which writes the existing storage before rebinding the name.
     (The input's own names are caught as rebinding first.)
     """
-    for node in _region_nodes(region):
+    for node in region_nodes(region):
         if isinstance(node, ast.AugAssign):
             targets = {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
             hit = targets & (tracked - names)
@@ -548,7 +249,7 @@ def check_no_reflection(funcdef: ast.FunctionDef):
     forward is scanned, not only the region: `e = eval` may be bound before
     the region and called inside it.
     """
-    local = _local_names(funcdef)
+    local = local_names(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
         by_name = isinstance(node, ast.Name) and node.id in REFLECTION_NAMES and node.id not in local
         by_attribute = isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS | REFLECTION_NAMES
@@ -564,11 +265,11 @@ def check_no_deferred_capture(funcdef: ast.FunctionDef, region: list[ast.stmt], 
     so neither the statements of the region nor the alias analysis show
     what it does. Eager comprehensions run where they stand and are checked there.
     """
-    end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    end = max(getattr(node, "end_lineno", 0) or 0 for node in region_nodes(region))
     parent_of = parents(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
         if isinstance(node, _SCOPES) and node.lineno <= end:
-            captured = _loads(node)  # the body, and the defaults and decorators evaluated with it
+            captured = loads(node)  # the body, and the defaults and decorators evaluated with it
             if captured & tracked and not _unreachable_until(node, end, funcdef, parent_of):
                 yield Refused(
                     "deferred-capture",
@@ -627,10 +328,10 @@ def check_no_escape(
     call reaching that object, or the same callee called again in the region,
     could write the input without being handed a tracked name.
     """
-    end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    end = max(getattr(node, "end_lineno", 0) or 0 for node in region_nodes(region))
     start = region[0].lineno
-    local = _local_names(funcdef) - {"self"}
-    inside = {id(node) for node in _region_nodes(region)}
+    local = local_names(funcdef) - {"self"}
+    inside = {id(node) for node in region_nodes(region)}
     keepers: dict[str, ast.Call] = {}
     for stmt in funcdef.body:
         for node in ast.walk(stmt):
@@ -647,11 +348,11 @@ def check_no_escape(
             operands = [*node.args, *(keyword.value for keyword in node.keywords)]
             if isinstance(node.func, ast.Attribute) and not self_attr(node.func):
                 operands.append(node.func.value)
-            if not any(may_alias(o, tracked, module) for o in operands) or _keeps_no_reference(
+            if not any(may_alias(o, tracked, module) for o in operands) or keeps_no_reference(
                 node, tracked, module, namespace
             ):
                 continue
-            reached = {name for operand in operands for name in _loads(operand)} - local
+            reached = {name for operand in operands for name in loads(operand)} - local
             stores = sorted(name for name in reached if name == "self" or _global_storage(namespace.get(name)))
             if stores:
                 yield Refused(
@@ -659,7 +360,7 @@ def check_no_escape(
                 )
             if id(node) not in inside and node.lineno < start:
                 keepers.setdefault(ast.dump(node.func, include_attributes=False), node)
-    for node in _region_nodes(region):
+    for node in region_nodes(region):
         kept = keepers.get(ast.dump(node, include_attributes=False)) if isinstance(node, ast.expr) else None
         if kept is not None:
             yield Refused(
@@ -691,7 +392,7 @@ def check_calls(
     is unknown and refused.
     """
     skip = {id(call) for call in projection_calls}
-    for call in (node for node in _region_nodes(region) if isinstance(node, ast.Call)):
+    for call in (node for node in region_nodes(region) if isinstance(node, ast.Call)):
         found = None if id(call) in skip else judge_call(call, tracked, module, namespace, local)
         if found is not None:
             yield found
@@ -715,9 +416,9 @@ def judge_call(
         return None
     if isinstance(func, ast.Attribute):
         resolved = resolve(func, namespace, local)
-        if resolved is _UNRESOLVED:
+        if resolved is UNRESOLVED:
             receiver = "alias" if may_alias(func.value, tracked, module) else None
-            if receiver is None and linear_output(func.value, module):
+            if receiver is None and dataflow.linear_output(func.value, module):
                 receiver = "tensor"
             return _judge_method(call, func, receiver, args_alias, text)
         return _judge_function(resolved, call, text) if args_alias else None
@@ -726,7 +427,7 @@ def judge_call(
             return Refused("unknown-callee", f"`{func.id}` may be bound to a method or closure of the input", call)
         if args_alias:
             resolved = resolve(func, namespace, local)
-            if resolved is _UNRESOLVED:
+            if resolved is UNRESOLVED:
                 return Refused(
                     "unknown-callee", f"`{func.id}` is a local value, so what `{text}` does is unknown", call
                 )
@@ -779,7 +480,7 @@ def _judge_function(function: object, call: ast.Call, text: str) -> Refused | No
         return None
     if name.endswith("_"):
         return Refused("inplace-call", f"`{text}` writes the projection input in place", call)
-    if _functional(function) or _pure_torch(function):
+    if is_functional(function) or is_pure_torch(function):
         if _inplace_positional(function, call):
             return Refused("inplace-call", f"`{text}` passes an in-place flag positionally", call)
         return None
@@ -802,29 +503,10 @@ def _check_keywords(call: ast.Call, tracked: set[str], module: nn.Module, text: 
     return None
 
 
-def operator_module_function(function: object) -> object:
-    """`function` itself if it is a function of the `operator` module, else None."""
-    name = getattr(function, "__name__", None)
-    return function if name and getattr(operator, name, None) is function else None
-
-
 def _constant_attr(call: ast.Call) -> str | None:
     if len(call.args) >= 2 and isinstance(call.args[1], ast.Constant) and isinstance(call.args[1].value, str):
         return call.args[1].value
     return None
-
-
-def _functional(function: object) -> bool:
-    """A function of `torch.nn.functional` (by identity: its C builtins report another `__module__`)."""
-    from torch.nn import functional
-
-    name = getattr(function, "__name__", None)
-    return bool(name) and callable(function) and getattr(functional, name, None) is function
-
-
-def _pure_torch(function: object) -> bool:
-    name = getattr(function, "__name__", None)
-    return bool(name) and name in PURE_TORCH and getattr(torch, name, None) is function
 
 
 def _inplace_positional(function: object, call: ast.Call) -> bool:
@@ -870,26 +552,26 @@ def check_no_opaque_aliases(
     region reads.
     """
     skip = {id(call) for call in projection_calls}
-    local = _local_names(funcdef) - {"self"}
-    bound = _aliases(funcdef, names, module, namespace, stash=False)  # aliases by binding: views, or opaque below
+    local = local_names(funcdef) - {"self"}
+    bound = aliases_of(funcdef, names, module, namespace, stash=False)  # aliases by binding: views, or opaque below
     makers: dict[str, list[ast.AST]] = {}
     for node in ast.walk(funcdef):
         if isinstance(node, ast.Call) and id(node) not in skip:
-            for name in _stash_targets(node, tracked, module, namespace, local) - bound:
+            for name in stash_targets(node, tracked, module, namespace, local) - bound:
                 makers.setdefault(name, []).append(node)
         entered = isinstance(node, ast.withitem) and node.optional_vars is not None
         if entered and may_alias(node.context_expr, tracked, module):
             for name in bound_names(node.optional_vars):
                 makers.setdefault(name, []).append(node.context_expr)
-    for targets, value in _bindings(funcdef):
+    for targets, value in bindings(funcdef):
         if not may_alias(value, tracked, module):
             continue
         for call in (n for n in ast.walk(value) if isinstance(n, ast.Call) and id(n) not in skip):
-            if _call_may_alias(call, tracked, module) and not _keeps_no_reference(call, tracked, module, namespace):
+            if call_may_alias(call, tracked, module) and not keeps_no_reference(call, tracked, module, namespace):
                 for name in (name for target in targets for name in bound_names(target)):
                     makers.setdefault(name, []).append(call)
     hits = {name: nodes for name, nodes in makers.items() if name not in names}
-    end = max(getattr(node, "end_lineno", 0) or 0 for node in _region_nodes(region))
+    end = max(getattr(node, "end_lineno", 0) or 0 for node in region_nodes(region))
     parent_of = parents(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in hits and node.lineno <= end:
@@ -922,7 +604,7 @@ def check_no_state_methods(region: list[ast.stmt], module: nn.Module):
     and the input may be that state (`x = self.buffer`); submodule calls are
     judged by their arguments instead.
     """
-    for call in (node for node in _region_nodes(region) if isinstance(node, ast.Call)):
+    for call in (node for node in region_nodes(region) if isinstance(node, ast.Call)):
         func = call.func
         if self_attr(func) and not isinstance(getattr(module, func.attr, None), nn.Module):
             yield Refused(
@@ -938,7 +620,7 @@ def check_frame_access(funcdef: ast.FunctionDef, namespace: dict):
     Module-level functions are followed through the names their code reads;
     torch's own functions are trusted not to inspect their caller.
     """
-    local = _local_names(funcdef)
+    local = local_names(funcdef)
     for stmt in funcdef.body:
         for node in ast.walk(stmt):
             if isinstance(node, (ast.Name, ast.Attribute)) and _dotted(node):
@@ -969,136 +651,8 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def pure_module(child: object) -> bool:
-    """Is `child` a module that never writes its input?
-
-    Judged on the instantiated module and every module inside it (an
-    `nn.Sequential` holds whatever it was given): only classes of torch and
-    of Transformers' activation library are trusted, never when configured
-    to work in place, and never with a hook, which runs arbitrary code.
-    """
-    if not isinstance(child, nn.Module) or global_hooks():
-        return False
-    for inner in child.modules():
-        origin = type(inner).__module__
-        if getattr(inner, "inplace", False) or module_hooks(inner):
-            return False
-        if not (origin.startswith("torch.nn.modules") or origin == "transformers.activations"):
-            return False
-        if "forward" in vars(inner):
-            return False  # an instance attribute replaces the class's forward
-    return True
-
-
-_HOOK_DICTS = (
-    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-)  # fmt: skip
-
-
-def module_hooks(module: nn.Module) -> list[str]:
-    """The names of the hook tables of `module` that are not empty."""
-    return [name for name in _HOOK_DICTS if getattr(module, name, None)]
-
-
-def global_hooks() -> list[str]:
-    """The names of `torch.nn.modules.module`'s global hook tables that run in a call and are not empty.
-
-    Registration hooks (`_global_module_registration_hooks`, ...) run when `__init__` assigns a submodule,
-    parameter or buffer, never inside a forward or backward, so they cannot change what a projection reads or
-    returns; what they build is judged on the instantiated model like anything else (`fusegen.runtime.quant`
-    registers one to carry `output_sizes` onto a quantizer's replacement module).
-    """
-    from torch.nn.modules import module as module_module
-
-    tables = [
-        name
-        for name in dir(module_module)
-        if name.startswith("_global_") and name.endswith("hooks") and "registration" not in name
-    ]
-    return [name for name in tables if getattr(module_module, name)]
-
-
-_UNRESOLVED = object()
-
-
-def resolve(expr: ast.expr, namespace: dict, local: set[str] | frozenset = frozenset()) -> object:
-    """The object a dotted name (`torch.nn.functional.silu`) denotes in `namespace`.
-
-    A name in `local` is bound by the function itself and so denotes
-    nothing at module level.
-    """
-    if isinstance(expr, ast.Name):
-        if expr.id in local:
-            return _UNRESOLVED
-        if expr.id in namespace:
-            return namespace[expr.id]
-        return getattr(builtins, expr.id, _UNRESOLVED)
-    if isinstance(expr, ast.Attribute):
-        base = resolve(expr.value, namespace, local)
-        if base is _UNRESOLVED or not inspect.ismodule(base):
-            return _UNRESOLVED
-        return getattr(base, expr.attr, _UNRESOLVED)
-    return _UNRESOLVED
-
-
-def call_name(call: ast.Call) -> str:
-    if isinstance(call.func, ast.Attribute):
-        return call.func.attr
-    return call.func.id if isinstance(call.func, ast.Name) else ""
-
-
 def _is_false(expr: ast.expr) -> bool:
     return isinstance(expr, ast.Constant) and expr.value is False
-
-
-def projection_findings(module: nn.Module, names: tuple[str, ...]):
-    """Refuse unless every projection is exactly what the rewrite assumes: a plain `nn.Linear`.
-
-    The merged linear reproduces `F.linear(x, W, b)` for each piece and
-    nothing else, so a subclass (its own `forward`, or any behaviour its
-    class adds), a hook, a parametrization (the weight is computed on each
-    access), an instance-level `forward`, or pieces of different dtype or
-    device (one concatenated weight has one of each) would all change what
-    runs. Every subclass is refused, with or without its own `forward`: a
-    subclass may change `__call__`, `_conv_forward`-like helpers or the
-    weight's meaning, and a false alarm costs only a fusion.
-    """
-    from torch.nn.utils import parametrize
-
-    hooks = global_hooks()
-    if hooks:
-        yield Refused("global-hook", f"a global module hook is registered ({', '.join(hooks)})")
-    pieces = []
-    for name in names:
-        child = getattr(module, name, None)
-        if isinstance(child, nn.Module) and parametrize.is_parametrized(child):
-            yield Refused("parametrized-projection", f"{name} is parametrized: its weight is computed on access")
-        elif isinstance(child, nn.Linear) and type(child) is not nn.Linear:
-            yield Refused("linear-subclass", f"{name} is a {type(child).__qualname__}, not exactly nn.Linear")
-        if not isinstance(child, nn.Linear):
-            yield Refused("linear-subclass", f"{name} is a {type(child).__qualname__}, not an nn.Linear")
-            continue
-        if module_hooks(child):
-            yield Refused("projection-hook", f"{name} has hooks ({', '.join(module_hooks(child))})")
-        if "forward" in vars(child) or "__call__" in vars(child):
-            yield Refused("projection-hook", f"{name} has an instance-level forward")
-        pieces.append((name, child))
-    for attribute, rule in (("dtype", "dtype-mismatch"), ("device", "device-mismatch")):
-        values = {
-            getattr(tensor, attribute)
-            for _, child in pieces
-            for tensor in (child.weight, child.bias)
-            if tensor is not None
-        }
-        if len(values) > 1:
-            spelled = ", ".join(f"{name}: {getattr(child.weight, attribute)}" for name, child in pieces)
-            yield Refused(rule, f"the projections differ in {attribute} ({spelled})")
-
-
-def check_projections(module: nn.Module, names: tuple[str, ...]) -> None:
-    """Raise the first `projection_findings` refusal for the projections `names` of `module`."""
-    _raise_first(projection_findings(module, names))
 
 
 def check_input_stable(
@@ -1117,8 +671,8 @@ def check_input_stable(
     """
     names = input_names(arg)
     tracked = aliases(funcdef, sources(funcdef, names, module), module, namespace)
-    local = _local_names(funcdef)
-    _raise_first(
+    local = local_names(funcdef)
+    raise_first(
         itertools.chain(
             check_no_reflection(funcdef),
             check_not_rebound(region, names),
@@ -1133,22 +687,3 @@ def check_input_stable(
             check_frame_access(funcdef, namespace),
         )
     )
-
-
-DISABLED: frozenset[str] = frozenset()
-"""Rule ids switched off. Only the mutation tests set it, to show each rule is needed."""
-
-
-def _raise_first(findings) -> None:
-    for refusal in findings:
-        if refusal.rule not in DISABLED:
-            raise refusal
-
-
-RULE_IDS = (
-    "reflection", "input-rebound", "input-written", "aliased-augassign", "input-escapes", "deferred-capture",
-    "opaque-alias", "inplace-call", "inplace-operator", "dynamic-attribute", "unknown-callee", "impure-call",
-    "state-method-call", "state-source", "frame-access", "global-hook", "parametrized-projection", "linear-subclass",
-    "projection-hook", "dtype-mismatch", "device-mismatch",
-)  # fmt: skip
-"""Every rule id this module can refuse with (besides `input-not-simple`, which guards the input's spelling)."""

@@ -18,9 +18,17 @@ import copy
 
 from torch import nn
 
-from fusegen.compiler import astutil, safety
-from fusegen.compiler.plan import FusionPlan, Refused
+from fusegen.core import astutil
+from fusegen.core.plan import FusionPlan, Refused
+from fusegen.core.vocabulary import ATTRIBUTE_BY_NAME, IN_PLACE_OPERATORS, REFLECTION_NAMES
+from fusegen.fusions.merged import dataflow, hoist, lookup
 from fusegen.runtime.linear import sizes_attribute
+
+
+def projection_calls(funcdef: ast.FunctionDef, plan: FusionPlan, conditional: frozenset[str] = frozenset()):
+    """The one call of each projection of `plan` in `funcdef`, in plan order, their guards folded (`single_call`)."""
+    merged = plan.merged if conditional else None
+    return [single_call(funcdef, name, merged if name in conditional else None) for name in plan.projections]
 
 
 def rewrite_forward(
@@ -29,24 +37,23 @@ def rewrite_forward(
     module: nn.Module,
     namespace: dict,
     conditional: frozenset[str] = frozenset(),
+    calls: list[ast.Call] | None = None,
 ) -> None:
-    """Apply `plan` to `funcdef` in place, or raise `Refused` leaving it unusable.
+    """Apply `plan`, whose projections all read one input, to `funcdef` in place, or raise `Refused` leaving it
+    unusable. (A group read from two inputs is `rewrite_cross`'s: `fusegen.fusions.linear.LinearKind.rewrite`
+    sends it there; here it is refused as `different-inputs`.)
 
     `conditional` names the projections `__init__` builds only under a condition (`rewrite_init` returns them);
-    the merged call is then guarded by the merged linear's existence (see `_guarded_split`).
+    the merged call is then guarded by the merged linear's existence (see `_guarded_split`). `calls`: the
+    projection calls if the caller found them already (`projection_calls`).
     """
-    merged = plan.merged if conditional else None
-    calls = [single_call(funcdef, name, merged if name in conditional else None) for name in plan.projections]
+    calls = projection_calls(funcdef, plan, conditional) if calls is None else calls
     arg = calls[0].args[0]
-    if not conditional and differently_spelled(calls) is not None:
-        from fusegen.compiler.rewrite_cross import rewrite_self_or_cross  # it builds on this module
-
-        return rewrite_self_or_cross(funcdef, plan, calls, module, namespace)
     refuse_different_inputs(calls)
     refuse_calls_in_loops(funcdef, calls)
     block, first, last = dominating_region(funcdef, calls)
     with absent_linears_present(module, namespace) if conditional else contextlib.nullcontext():
-        safety.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
+        hoist.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
     _splice(funcdef, plan, calls, block, first, module, conditional)
 
 
@@ -79,7 +86,7 @@ def absent_linears_present(module: nn.Module, namespace: dict):
         nones = [side for side in (value.body, value.orelse) if isinstance(side, ast.Constant) and side.value is None]
         if len(built) != 1 or len(nones) != 1:
             continue
-        constructor = safety.resolve(built[0].func, namespace)
+        constructor = lookup.resolve(built[0].func, namespace)
         if constructor is nn.Linear:
             stand_ins[name] = nn.Linear(1, 1, device="meta")
         elif isinstance(constructor, type) and issubclass(constructor, nn.Module):
@@ -248,16 +255,6 @@ def _guarded_split(
     return ast.fix_missing_locations(ast.copy_location(guarded, split))
 
 
-REFLECTION = frozenset({"eval", "exec", "locals", "vars", "globals", "setattr", "delattr"})
-"""Calls that can reach any local through the frame or by name: every piece counts as written."""
-
-IN_PLACE_OPERATORS = frozenset(
-    {"iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "ilshift", "irshift", "iand",
-     "ixor", "ior", "iconcat", "setitem", "delitem"}
-)  # fmt: skip
-"""`operator` functions that write their first operand (`operator.imul(g, 2)`)."""
-
-
 def detach_written_pieces(
     funcdef: ast.FunctionDef, temps: list[str], block: list[ast.stmt], index: int, module: nn.Module | None
 ) -> None:
@@ -275,7 +272,7 @@ def detach_written_pieces(
     the original's projection output received. The clone is a new tensor with its own version counter, as the
     original projection's output was, so in-place writes to it behave exactly as in the original.
 
-    Which pieces: those whose possible aliases (`safety.aliases`, seeded with the piece's temporary, over the
+    Which pieces: those whose possible aliases (`dataflow.aliases`, seeded with the piece's temporary, over the
     whole forward) are written by an in-place method or function, an augmented assignment, an item or attribute
     store, `out=`/`inplace=`, an in-place `operator` function, a call of an alias itself (a bound in-place
     method: `op = g.mul_; op(2)`), or anything at all when the forward uses reflection (`eval`, `locals`, ...).
@@ -285,11 +282,13 @@ def detach_written_pieces(
     Unwritten pieces keep the plain split, so models that write no projection output in place pay nothing.
     """
     reflective = any(
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in REFLECTION
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in REFLECTION_NAMES | ATTRIBUTE_BY_NAME
         for node in ast.walk(funcdef)
     )
     written = [
-        temp for temp in temps if reflective or _written_in_place(funcdef, safety.aliases(funcdef, {temp}, module))
+        temp for temp in temps if reflective or _written_in_place(funcdef, dataflow.aliases(funcdef, {temp}, module))
     ]
     for offset, temp in enumerate(written, start=1):
         clone = ast.parse(f"{temp} = {temp}.clone()").body[0]

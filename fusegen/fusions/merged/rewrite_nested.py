@@ -44,7 +44,7 @@ What must hold (each checked below, refused otherwise; a false alarm costs a fus
   tests and the inner guard) is side-effect free and means at the merged constructor what it meant where the
   original evaluated it (`check_hoisted_init`);
 - in `forward`, every projection reads one input spelled the same way, and the input is provably unchanged
-  between the first call and the last (the same rules as every fusion, `safety.check_input_stable`).
+  between the first call and the last (the same rules as every fusion, `hoist.check_input_stable`).
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from fusegen.compiler import astutil, safety
-from fusegen.compiler.plan import FusionPlan, Refused
-from fusegen.compiler.rewrite_forward import (
+from fusegen.core import astutil
+from fusegen.core.plan import FusionPlan, Refused
+from fusegen.fusions.merged import hoist
+from fusegen.fusions.merged.rewrite_forward import (
     absent_linears_present,
     detach_written_pieces,
     dominating_region,
@@ -66,7 +67,7 @@ from fusegen.compiler.rewrite_forward import (
     refuse_different_inputs,
     single_call,
 )
-from fusegen.compiler.rewrite_init import (
+from fusegen.fusions.merged.rewrite_init import (
     MERGED_LINEAR,
     bias_flags,
     construction_guard,
@@ -323,7 +324,7 @@ def rewrite_forward_nested(
     Soundness: where the merged linear exists, every projection existed and is computed from one GEMM at the first
     call's place; that is the original's value for each only if their inputs are spelled the same (checked here)
     and nothing between the first call and the last can change that input or an alias of it (the region rules of
-    `safety.check_input_stable`, judged with the children other configs build standing in, as for every
+    `hoist.check_input_stable`, judged with the children other configs build standing in, as for every
     conditional fusion). The GEMM itself writes nothing, so computing it earlier reorders nothing observable.
     Where it is None, the outer projections are called by their own names at that same place (the region rules
     cover that move), and each kept inner projection's own call stays where it was, untouched: a layer without the
@@ -337,7 +338,7 @@ def rewrite_forward_nested(
     refuse_calls_in_loops(funcdef, calls)
     block, first, last = dominating_region(funcdef, calls)
     with absent_linears_present(module, namespace):
-        safety.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
+        hoist.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
     temps = piece_temps(funcdef, plan)
     merged, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
     split = ast.parse(f"{', '.join(temps)} = {merged}(__input__).split({sizes}, dim=-1)").body[0]

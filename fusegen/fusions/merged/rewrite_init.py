@@ -22,9 +22,9 @@ import inspect
 
 from torch import nn
 
-from fusegen.compiler import astutil
-from fusegen.compiler.plan import FusionPlan, Refused
-from fusegen.compiler.safety import resolve
+from fusegen.core import astutil
+from fusegen.core.plan import FusionPlan, Refused
+from fusegen.fusions.merged.lookup import resolve
 from fusegen.runtime.linear import sizes_attribute
 
 MERGED_LINEAR = "MergedColumnLinear"

@@ -38,7 +38,7 @@ and the reason, and the plain k + v fusion is tried next):
    so computing pieces a path never reads (the reuse branch) changes no value.
 4. Otherwise (`A` not None) nothing is hoisted across the uses: q is computed at the q site from `H`, and k/v
    at their own site from `C` (their pair passes the input-stability rules for `C` there, as the plain k + v
-   fusion does; the rules also guard the states `C` was bound from, `safety.sources`), with `linear_pieces`, which computes exactly those rows (`fusegen/runtime/linear.py`).
+   fusion does; the rules also guard the states `C` was bound from, `dataflow.sources`), with `linear_pieces`, which computes exactly those rows (`fusegen/runtime/linear.py`).
    The reuse branch still computes no k/v.
 
 A false alarm costs the q fusion (k + v still merge); a miss would feed k/v the wrong states, so every form not
@@ -51,9 +51,10 @@ import ast
 
 from torch import nn
 
-from fusegen.compiler import astutil, safety
-from fusegen.compiler.plan import FusionPlan, Refused
-from fusegen.compiler.rewrite_forward import detach_written_pieces, dominating_region, piece_temps
+from fusegen.core import astutil
+from fusegen.core.plan import FusionPlan, Refused
+from fusegen.fusions.merged import hoist
+from fusegen.fusions.merged.rewrite_forward import detach_written_pieces, dominating_region, piece_temps
 from fusegen.runtime.linear import sizes_attribute
 
 LINEAR_PIECES = "linear_pieces"
@@ -74,11 +75,11 @@ def rewrite_self_or_cross(
     position = _shared_first(funcdef, block, calls, shared, own)
     region = _region_until(block, first, last, [*calls, binding])
     hidden = calls[shared[0]].args[0]
-    safety.check_input_stable(funcdef, region, hidden, module, namespace, calls)
+    hoist.check_input_stable(funcdef, region, hidden, module, namespace, calls)
     own_block, own_first, own_last = dominating_region(funcdef, [calls[i] for i in own])
     own_calls = [calls[i] for i in own]
     own_region = own_block[own_first : own_last + 1]
-    safety.check_input_stable(funcdef, own_region, current, module, namespace, own_calls)
+    hoist.check_input_stable(funcdef, own_region, current, module, namespace, own_calls)
     _splice(funcdef, plan, calls, shared, own, switch, (block, position), (own_block, own_first), module)
 
 
