@@ -946,12 +946,16 @@ NEW_HAZARDS = {
     "ctx_saved_tensor_hooks": Toy((_Q, "with torch.autograd.graph.saved_tensors_hooks(keep, halve):\n    " + _K, _V)),
     "ctx_function_mode": Toy((_Q, _K, "with Doubling():\n    " + _V)),
     "ctx_dispatch_mode": Toy((_Q, "with Rounding():\n    " + _K, _V)),
-    "ctx_mode_entered_by_call": Toy((_Q, "mode = Doubling()", "mode.__enter__()", _K, "mode.__exit__(None, None, None)", _V)),
+    "ctx_mode_entered_by_call": Toy(
+        (_Q, "mode = Doubling()", "mode.__enter__()", _K, "mode.__exit__(None, None, None)", _V)
+    ),
     # 2. aliasing made by the caller
     "alias_param_inplace": Toy((_Q, "y.mul_(2.0)", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y"),
     "alias_param_augassign": Toy((_Q, "y += 1.0", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y"),
     "alias_param_item_store": Toy((_Q, "y[..., 0] = 0.0", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y"),
-    "alias_param_out": Toy((_Q, "torch.mul(y, 2.0, out=y)", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y"),
+    "alias_param_out": Toy(
+        (_Q, "torch.mul(y, 2.0, out=y)", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y"
+    ),
     "alias_varargs": Toy((_Q, "rest[0].add_(1.0)", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, *rest"),
     "alias_kwargs": Toy(
         (_Q, 'extra["mirror"].mul_(0.5)', _K, _V),
@@ -959,8 +963,12 @@ NEW_HAZARDS = {
         + "self.block.register_forward_pre_hook(lambda m, args, kwargs: (args, {'mirror': args[0]}), with_kwargs=True)",
         signature="x, **extra",
     ),
-    "alias_list_param": Toy((_Q, "states[0].sub_(1.0)", _K, _V), layer=_LAYER + _pair("[args[0]]"), signature="x, states"),
-    "alias_cache_object": Toy((_Q, "cache.view()", _K, _V), layer=_LAYER + _pair("Box(args[0])"), signature="x, cache"),
+    "alias_list_param": Toy(
+        (_Q, "states[0].sub_(1.0)", _K, _V), layer=_LAYER + _pair("[args[0]]"), signature="x, states"
+    ),
+    "alias_cache_object": Toy(
+        (_Q, "cache.view()", _K, _V), layer=_LAYER + _pair("Box(args[0])"), signature="x, cache"
+    ),
     "alias_primed_attribute": Toy(
         (_Q, "self.mirror.mul_(2.0)", _K, _V),
         layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: setattr(m, 'mirror', args[0]))",
@@ -978,7 +986,9 @@ NEW_HAZARDS = {
         layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: put_in_cell(args[0]))",
     ),
     # 3. projections reached without the spelled `self.<proj>`
-    "ident_modules_dict": Toy((_Q, 'w = self._modules["k_proj"].weight.sum()', _K, _V), ret="return q * w + torch.cat([k, v], dim=-1)"),
+    "ident_modules_dict": Toy(
+        (_Q, 'w = self._modules["k_proj"].weight.sum()', _K, _V), ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
     "ident_getattr_computed": Toy(
         (_Q, 'which = "v" + "_proj"', "w = getattr(self, which).weight.sum()", _K, _V),
         ret="return q * w + torch.cat([k, v], dim=-1)",
@@ -1004,9 +1014,14 @@ NEW_HAZARDS = {
         (_Q, "n = len(list(self.children()))", _K, _V), ret="return q * n + torch.cat([k, v], dim=-1)"
     ),
     "ident_hook_registered_in_forward": Toy(
-        (_Q, "handle = torch.nn.modules.module.register_module_forward_hook(double_plain_linears)", _K, _V,
-         "handle.remove()")
-    ),  # fmt: skip
+        (
+            _Q,
+            "handle = torch.nn.modules.module.register_module_forward_hook(double_plain_linears)",
+            _K,
+            _V,
+            "handle.remove()",
+        )
+    ),
     # 4. pieces that must behave as the original's projection outputs
     "piece_to_user_function": Toy((_Q, _K, "k = scale_in_place(k)", _V)),
     "piece_inplace_activation": Toy(
@@ -1057,9 +1072,11 @@ NEW_SAFE = {
         (_Q, "on = torch.is_grad_enabled()", _K, _V), ret="return q + torch.cat([k, v], dim=-1) * (2.0 if on else 1.0)"
     ),
     "alias_param_only_read": Toy(
-        (_Q, "n = y.sum()", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y: torch.Tensor",
+        (_Q, "n = y.sum()", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y: torch.Tensor",
         ret="return q + torch.cat([k, v], dim=-1) + n",
-    ),  # fmt: skip
+    ),
     "fresh_empty_like_filled": Toy(
         (_Q, "buf = torch.empty_like(x)", "buf.fill_(0.5)", _K, _V), ret="return q + torch.cat([k, v], dim=-1) + buf"
     ),
@@ -1162,7 +1179,7 @@ def _verdict(case_path, dotted: str, name: str, validate: bool) -> str:
         fused.load_state_dict(_fused_weights(original, fused, block.fused))
         try:
             expected, expected_grads = _run_step(original, ids, train, autocast)
-        except Exception:  # noqa: BLE001 - the original cannot run this step: nothing to hold the fused model to
+        except Exception:  # noqa: BLE001, S112 - the original cannot run this step: nothing to hold the fused to
             continue
         ran = True
         try:
@@ -1177,7 +1194,9 @@ def _verdict(case_path, dotted: str, name: str, validate: bool) -> str:
             return f"miscompile ({where}): logits differ by {(expected - actual).abs().max().item():.3g}"
         for key, grad in actual_grads.items():
             reference = _mapped_grad(key, expected_grads, block.fused)
-            if not torch.allclose(reference, grad, atol=grad_tolerance * max(1.0, reference.abs().max().item()), rtol=0):
+            if not torch.allclose(
+                reference, grad, atol=grad_tolerance * max(1.0, reference.abs().max().item()), rtol=0
+            ):
                 return f"miscompile ({where}): the gradient of {key} differs"
     return "sound" if ran else "invalid: the original runs in no mode"
 

@@ -47,6 +47,18 @@ MUTANTS = {
     "projection-hook": Case((Q, K, V), setup="forward_hook"),
     "linear-subclass": Case((Q, K, V), setup="class_swap"),
     "parametrized-projection": Case((Q, K, V), setup="parametrized"),
+    # k runs under bf16 autocast in the original; the merged call before the `with` runs it in fp32
+    "ambient-context": Case(
+        (Q, "with torch.autocast('cpu', dtype=torch.bfloat16):\n    k = self.k_proj(x).float()", V)
+    ),
+    # the caller hands the block its own buffer as the input (a pre-hook); the item store writes it
+    "caller-alias": Case((Q, "self.state[0] = 0.0", K, V), setup="block_state_input"),
+    # the caller put the input in a registry (a pre-hook) that a helper handed nothing writes
+    "region-call": Case((Q, "bump_registered()", K, V), setup="registry"),
+    # fused, `k_proj` no longer exists: the fused layer raises where the original runs
+    "projection-identity": Case((Q, "w = getattr(self, 'k' + '_proj').weight", K, V)),
+    # `max_norm` renormalises the rows of `x[0]` in place
+    "argument-write": Case((Q, "e = F.embedding(torch.tensor([0, 1]), x[0], max_norm=0.1)", K, V)),
 }
 UNTESTABLE = {
     "dtype-mismatch": "outside autocast no original forward runs with pieces of two dtypes; inside it the merged "

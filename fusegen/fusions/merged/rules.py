@@ -20,6 +20,7 @@ RULE_IDS = (
     "reflection", "input-rebound", "input-written", "aliased-augassign", "input-escapes", "deferred-capture",
     "opaque-alias", "inplace-call", "inplace-operator", "dynamic-attribute", "unknown-callee", "impure-call",
     "state-method-call", "state-source", "frame-access", "global-hook", "parametrized-projection", "linear-subclass",
-    "projection-hook", "dtype-mismatch", "device-mismatch",
+    "projection-hook", "dtype-mismatch", "device-mismatch", "ambient-context", "caller-alias", "region-call",
+    "projection-identity", "argument-write",
 )  # fmt: skip
 """Every rule id this module can refuse with (besides `input-not-simple`, which guards the input's spelling)."""

@@ -26,8 +26,9 @@ import types
 
 from torch import nn
 
-from fusegen.compiler import region_rules, safety
-from fusegen.compiler.astutil import self_attr
+from fusegen.core import vocabulary
+from fusegen.core.astutil import enclosing_loop_or_scope, parents, self_attr
+from fusegen.fusions.merged import dataflow, live, lookup, region_rules
 
 LAYOUT_METHODS = frozenset({"stride", "is_contiguous", "data_ptr", "storage_offset", "untyped_storage", "storage"})
 """Tensor methods whose result depends on the layout, where a split piece differs from a projection output."""
@@ -36,15 +37,15 @@ LAYOUT_METHODS = frozenset({"stride", "is_contiguous", "data_ptr", "storage_offs
 def module_effect_free(child: object) -> bool:
     """Does calling `child` provably write nothing it is handed and keep no reference to it?
 
-    Every module inside it is a trusted torch or Transformers-activation module not in place (`safety.pure_module`),
+    Every module inside it is a trusted torch or Transformers-activation module not in place (`live.pure_module`),
     or a class whose `forward` is effect-free by bytecode (`region_rules.effect_free`: no store of any kind, no
     in-place call); no hooks, no instance-level `forward`."""
-    if not isinstance(child, nn.Module) or safety.global_hooks():
+    if not isinstance(child, nn.Module) or live.global_hooks():
         return False
     for inner in child.modules():
-        if safety.module_hooks(inner) or "forward" in vars(inner) or getattr(inner, "inplace", False):
+        if live.module_hooks(inner) or "forward" in vars(inner) or getattr(inner, "inplace", False):
             return False
-        if safety.pure_module(inner):
+        if live.pure_module(inner):
             continue
         forward = inspect.getattr_static(type(inner), "forward", None)
         if not (isinstance(forward, types.FunctionType) and region_rules.effect_free(forward)):
@@ -54,13 +55,15 @@ def module_effect_free(child: object) -> bool:
 
 def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Module | None, namespace: dict) -> bool:
     """Is a piece whose possible aliases are `tracked` stored away, returned, or handed to unproven code?"""
-    local = safety.local_names(funcdef)
+    local = dataflow.local_names(funcdef)
     for node in ast.walk(funcdef):
         if isinstance(node, ast.Return) and node.value is not None and _holds(node.value, tracked):
             return True
-        if isinstance(node, ast.Assign) and _holds(node.value, tracked):
-            if any(isinstance(t, (ast.Attribute, ast.Subscript)) for target in node.targets for t in ast.walk(target)):
-                return True
+        stored = isinstance(node, ast.Assign) and any(
+            isinstance(t, (ast.Attribute, ast.Subscript)) for target in node.targets for t in ast.walk(target)
+        )
+        if stored and _holds(node.value, tracked):
+            return True
         if not isinstance(node, ast.Call):
             continue
         operands = [*node.args, *(keyword.value for keyword in node.keywords)]
@@ -72,11 +75,29 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
             if isinstance(child, nn.Module) and not module_effect_free(child):
                 return True
         elif isinstance(func, (ast.Name, ast.Attribute)):
-            resolved = safety.resolve(func, namespace, local)
-            if isinstance(resolved, types.FunctionType) and not (resolved.__module__ or "").startswith("torch"):
-                if not region_rules.effect_free(resolved):
-                    return True
+            resolved = lookup.resolve(func, namespace, local)
+            user = isinstance(resolved, types.FunctionType) and not (resolved.__module__ or "").startswith("torch")
+            if user and not region_rules.effect_free(resolved):
+                return True
     return False
+
+
+def view_names(funcdef: ast.FunctionDef, temp: str) -> set[str]:
+    """`temp` and the names bound (anywhere) to a view of it or a container holding it (`_holds`): the names whose
+    value is the piece's storage. A result of other code handed the piece (`attn_output = attention(q, k, v)`) is
+    not one: what such code does with the piece is judged where it is handed it."""
+    views = {temp}
+    found = list(dataflow.bindings(funcdef))
+    changed = True
+    while changed:
+        changed = False
+        for targets, value in found:
+            if _holds(value, views):
+                new = {name for target in targets for name in dataflow.bound_names(target)} - views
+                if new:
+                    views |= new
+                    changed = True
+    return views
 
 
 def _holds(expr: ast.expr, tracked: set[str]) -> bool:
@@ -88,7 +109,9 @@ def _holds(expr: ast.expr, tracked: set[str]) -> bool:
     if isinstance(expr, ast.Subscript):
         return _holds(expr.value, tracked)
     if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
-        return expr.func.attr in safety.PURE_METHODS - safety.METADATA_METHODS and _holds(expr.func.value, tracked)
+        return expr.func.attr in vocabulary.PURE_METHODS - vocabulary.METADATA_METHODS and _holds(
+            expr.func.value, tracked
+        )
     if isinstance(expr, ast.IfExp):
         return _holds(expr.body, tracked) or _holds(expr.orelse, tracked)
     return False
@@ -97,28 +120,72 @@ def _holds(expr: ast.expr, tracked: set[str]) -> bool:
 def needs_contiguous(funcdef: ast.FunctionDef, temp: str, tracked: set[str], inputs: set[str]) -> bool:
     """Does the layout of the piece `temp` (possible aliases `tracked`) show: an unproven `.view` or a layout read?"""
     direct = _direct_names(funcdef, temp)
+    parent_of = parents(funcdef)
     for node in ast.walk(funcdef):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         receiver = node.func.value
+        if _kept_or_piece(receiver, direct) and node.func.attr == "view":
+            # `(k_proj_out if self.qkv_proj is not None else self.k_proj(x)).view(s)`: the piece or a kept
+            # projection's own (contiguous) output
+            if not _keeps_leading_dims(funcdef, node, inputs):
+                return True
+            continue
         if not (isinstance(receiver, ast.Name) and receiver.id in tracked):
             if node.func.attr in LAYOUT_METHODS | {"view"} and _holds(receiver, tracked):
                 return True  # a view or layout read of something made from the piece
             continue
         if node.func.attr in LAYOUT_METHODS:
             return True
-        if node.func.attr == "view":
-            if receiver.id not in direct or not _keeps_leading_dims(funcdef, node, inputs):
-                return True
+        if node.func.attr == "view" and not (
+            _reaches_as_piece(funcdef, receiver, direct, parent_of) and _keeps_leading_dims(funcdef, node, inputs)
+        ):
+            return True
     return False
+
+
+def _kept_or_piece(expr: ast.expr, direct: set[str]) -> bool:
+    """Is `expr` a conditional whose branches are the piece (a name of `direct`) or a projection's own call?"""
+    if not isinstance(expr, ast.IfExp):
+        return False
+    branches = (expr.body, expr.orelse)
+    return all(
+        (isinstance(b, ast.Name) and b.id in direct) or (isinstance(b, ast.Call) and self_attr(b.func))
+        for b in branches
+    ) and any(isinstance(b, ast.Name) for b in branches)
+
+
+def _reaches_as_piece(funcdef: ast.FunctionDef, read: ast.Name, direct: set[str], parent_of: dict) -> bool:
+    """Is the name `read` sure to hold the piece itself where it is read? Either every binding of it is (`direct`),
+    or, with neither the read nor any binding of the name in a loop or nested scope, every binding on an earlier
+    line is a plain name of `direct` (`value_states = v_proj_out`, rebound only after the read)."""
+    if read.id in direct:
+        return True
+    if enclosing_loop_or_scope(funcdef, read, parent_of) is not None:
+        return False
+    earlier = []
+    for node in ast.walk(funcdef):
+        if isinstance(node, ast.Name) and node.id == read.id and isinstance(node.ctx, (ast.Store, ast.Del)):
+            if enclosing_loop_or_scope(funcdef, node, parent_of) is not None:
+                return False
+            if node.lineno < read.lineno:
+                earlier.append(node)
+    if not earlier:
+        return False
+    for node in earlier:
+        assign = parent_of.get(node)
+        plain = isinstance(assign, ast.Assign) and assign.targets == [node] and isinstance(assign.value, ast.Name)
+        if not (plain and assign.value.id in direct):
+            return False
+    return True
 
 
 def _direct_names(funcdef: ast.FunctionDef, temp: str) -> set[str]:
     """`temp` and the names every binding of which is a plain name already in the set (`q = q_proj_out`)."""
     values: dict[str, list[ast.expr]] = {}
-    for targets, value in safety.bindings(funcdef):
+    for targets, value in dataflow.bindings(funcdef):
         for target in targets:
-            for name in safety.bound_names(target):
+            for name in dataflow.bound_names(target):
                 values.setdefault(name, []).append(value if isinstance(target, ast.Name) else None)
     direct = {temp}
     changed = True
@@ -164,9 +231,9 @@ def _single_binding(funcdef: ast.FunctionDef, name: str) -> ast.expr | None:
     """The value of the one plain assignment to `name` in `funcdef` (None if bound otherwise or more than once)."""
     found = [
         value
-        for targets, value in safety.bindings(funcdef)
+        for targets, value in dataflow.bindings(funcdef)
         for target in targets
-        if name in safety.bound_names(target)
+        if name in dataflow.bound_names(target)
     ]
     if len(found) != 1:
         return None
@@ -194,7 +261,7 @@ def _leading_of_input(expr: ast.expr, inputs: set[str]) -> bool:
 
 def _unpacked_dims(funcdef: ast.FunctionDef, inputs: set[str]) -> list[str] | None:
     """The names of `a, b, c = x.shape` (or `x.size()`), if the forward unpacks an input's shape so, each bound once."""
-    for targets, value in safety.bindings(funcdef):
+    for targets, value in dataflow.bindings(funcdef):
         for target in targets:
             if isinstance(target, ast.Tuple) and _shape_of_input(value, inputs):
                 names = [element.id if isinstance(element, ast.Name) else None for element in target.elts]
