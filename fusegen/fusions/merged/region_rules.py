@@ -128,13 +128,14 @@ def region_findings(
     local = dataflow.local_names(funcdef)
     fresh = fresh_names(funcdef, module, namespace, tracked)
     trusted = transformers_typed(funcdef, namespace)
+    parent_of = parents(funcdef)
     skip = {id(call) for call in projection_calls}
     return itertools.chain(
         check_context(funcdef, region, projection_calls, namespace, local),
         check_projection_identity(funcdef, region, projections, module, namespace, local),
         check_argument_writes(region, fresh, module, namespace, local),
-        check_caller_writes(region, fresh, names, module, namespace, local, trusted),
-        check_region_calls(funcdef, region, tracked, fresh, module, namespace, local, skip, trusted),
+        check_caller_writes(region, fresh, names, module, namespace, local, trusted, parent_of),
+        check_region_calls(funcdef, region, tracked, fresh, module, namespace, local, skip, trusted, parent_of),
     )
 
 
@@ -280,7 +281,39 @@ def _rooted_in(expr: ast.expr, names: set[str]) -> bool:
     return isinstance(root, ast.Name) and root.id in names
 
 
-def check_caller_writes(region, fresh, names, module, namespace, local, trusted):
+def _narrowed(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) -> bool:
+    """Is `node` in the body of an `if` whose test requires `isinstance(p, C)` (a conjunct), `p` the name `expr` is
+    rooted at and `C` a Transformers class that is not a tensor (`if cache is not None and isinstance(cache,
+    EncoderDecoderCache):`)? Then `p` is such an object there, trusted as `transformers_typed` parameters are."""
+    root = _root(expr)
+    if not isinstance(root, ast.Name):
+        return False
+    child, current = node, parent_of.get(node)
+    while current is not None:
+        if isinstance(current, ast.If) and any(child is stmt for stmt in current.body):
+            tests = current.test.values if isinstance(current.test, ast.BoolOp) and isinstance(
+                current.test.op, ast.And) else [current.test]  # fmt: skip
+            for test in tests:
+                is_check = (
+                    isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance"
+                )
+                if is_check and len(test.args) == 2 and isinstance(test.args[0], ast.Name):
+                    cls = lookup.resolve(test.args[1], namespace)
+                    if test.args[0].id == root.id and _transformers_class(cls):
+                        return True
+        child, current = current, parent_of.get(current)
+    return False
+
+
+def _transformers_class(cls: object) -> bool:
+    return (
+        isinstance(cls, type)
+        and (cls.__module__ or "").startswith("transformers.")
+        and not issubclass(cls, torch.Tensor)
+    )
+
+
+def check_caller_writes(region, fresh, names, module, namespace, local, trusted, parent_of):
     """Refuse (`caller-alias`) a write in the region into anything not proven fresh local storage: a parameter, an
     item of a container, `*args`/`**kwargs`, an attribute of `self`, a global may all be the caller's alias of the
     input. (The writes the input-stability rules see through the input's own aliases are theirs.)"""
@@ -296,7 +329,9 @@ def check_caller_writes(region, fresh, names, module, namespace, local, trusted)
             target = node.value
         elif isinstance(node, ast.Call):
             target = _written_operand(node, namespace, local)
-        if target is not None and not _fresh_target(target, fresh) and not _rooted_in(target, trusted):
+        if target is None or _fresh_target(target, fresh) or _rooted_in(target, trusted):
+            continue
+        if not _narrowed(node, target, parent_of, namespace):
             yield Refused(
                 "caller-alias",
                 f"`{ast.unparse(node).strip()}` writes `{ast.unparse(target)}`, which the caller may have made an "
@@ -329,7 +364,7 @@ def _written_operand(call: ast.Call, namespace: dict, local: set[str]) -> ast.ex
     return None
 
 
-def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local, skip, trusted):
+def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local, skip, trusted, parent_of):
     """Refuse (`region-call`) a call in the region not proven to write nothing, whether or not it is handed an
     alias: the caller may have put the input where the callee reaches it (a cache object, a registry, a cell)."""
     tensors = tensor_names(funcdef, tracked, fresh, module, namespace, trusted)
@@ -343,7 +378,9 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
     for call in (node for node in dataflow.region_nodes(region) if isinstance(node, ast.Call)):
         if id(call) in skip or id(call) in entered:
             continue
-        if isinstance(call.func, ast.Attribute) and _rooted_in(call.func.value, trusted):
+        if isinstance(call.func, ast.Attribute) and (
+            _rooted_in(call.func.value, trusted) or _narrowed(call, call.func.value, parent_of, namespace)
+        ):
             continue  # a method of a Transformers object handed in (a cache): `transformers_typed`
         reason = _unproven_call(call, tensors, kwargs, module, namespace, local, trusted, parameters)
         if reason:
@@ -395,9 +432,7 @@ def transformers_typed(funcdef: ast.FunctionDef, namespace: dict) -> set[str]:
             if isinstance(node, (ast.Name, ast.Attribute))
         ]
         classes = [c for c in classes if isinstance(c, type)]
-        if classes and all(
-            (c.__module__ or "").startswith("transformers.") and not issubclass(c, torch.Tensor) for c in classes
-        ):
+        if classes and all(_transformers_class(c) for c in classes):
             found.add(arg.arg)
     return found
 
