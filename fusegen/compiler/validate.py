@@ -12,7 +12,11 @@ imported in memory, and its fused causal LM is compared with the original causal
   equal its pieces' gradients concatenated), with dropout seeded identically (and, on request, once more with
   gradient checkpointing: `validate(..., checkpointing=True)`; the build leaves it to tests/test_training.py);
   variants get one train step;
-- in fp64 where the original runs in fp64, else in fp32 (see `_compare_in`), on random token ids (2 x 12).
+- in fp64 where the original runs in fp64, else in fp32 (see `_compare_in`), on random token ids (2 x 12); the tiny
+  config also in fp32 (eval) and under bf16 autocast (a train step: logits and gradients), since CPU autocast leaves
+  fp64 alone (`NUMERICS`);
+- on up to `MAX_FORWARD_VARIANTS` *forward-only variants*: a boolean or optional field that changes no module but a
+  value `forward` reads (`forward_variants`), one fp32 train step each.
 
 Logits must agree within `TOLERANCE` and gradients within `GRAD_TOLERANCE`; anything else (a difference, a fused
 model that fails where the original runs, a tensor that maps nowhere) is a `validation-mismatch` with the figure.
