@@ -67,6 +67,12 @@ UNTESTABLE = {
 }
 
 
+SECOND_LAYER = {"ambient-context", "caller-alias", "region-call", "projection-identity", "argument-write"}
+"""Issue 24's rules refuse every write or call of the region not proven harmless, whoever it may reach, so they also
+refuse most mutants of the older, input-specific rules. An older rule is shown needed with these off as well (the
+rule set it was written for); each of these is shown needed alone."""
+
+
 def test_every_rule_has_a_mutant():
     assert set(MUTANTS) | set(UNTESTABLE) == set(rules.RULE_IDS)
     assert set(SETUPS) >= {case.setup for case in MUTANTS.values()}
@@ -78,7 +84,7 @@ def test_switching_a_rule_off_lets_a_miscompile_through(tmp_path, monkeypatch, r
         kept = harness.check(MUTANTS[rule])
         assert not kept.fused and rule in kept.rules, f"with every rule on: {kept}"
         assert kept.invalid is None, kept
-        monkeypatch.setattr(rules, "DISABLED", frozenset({rule}))
+        monkeypatch.setattr(rules, "DISABLED", frozenset({rule} | (set() if rule in SECOND_LAYER else SECOND_LAYER)))
         switched_off = harness.check(MUTANTS[rule])
     assert switched_off.fused, f"with {rule} off the case is still refused: {switched_off}"
     assert switched_off.miscompile, f"with {rule} off the fused case still computes the same: {switched_off}"
