@@ -65,18 +65,12 @@ FAMILIES = {
     "deferred": ["def bump():\n    x.add_(1)", "bump()", "g = (t.mul_(2) for t in [x])", "next(g, None)"],
     "escape": ["self.saved = x[0, 0]", "self.saved.mul_(2)", "obj = Box(x)", "obj.view()", "poke()"],
     "state": ["self.reset_state()", "n = self.state.sum()"],
-    "context": ["with torch.no_grad():\n    n = x.sum()", "torch.set_grad_enabled(torch.is_grad_enabled())",
-                "with torch.autocast('cpu', dtype=torch.bfloat16):\n    h = x * 1",
-                "with torch.autocast('cpu', dtype=torch.bfloat16):\n    k = self.k_proj(x).float()",
-                "with torch.no_grad():\n    v = self.v_proj(x)"],
-    "caller_alias": ["self.mirror.mul_(2)", "self.mirror[0] = 0.0", "n = self.mirror.sum()", "bump_registered()"],
-    "indirect": ["n = len(list(self.children()))", "w = getattr(self, 'k' + '_proj').weight", "n = self.hidden_size",
-                 "w = self._modules['v_proj'].weight"],
-    "pieces": ["k = scale_in_place(k)", "self.kept_piece = v", "k = k.view(-1).view(k.shape)",
-               "e = F.embedding(torch.tensor([0, 1]), x[0], max_norm=0.1)", "buf = torch.empty_like(x)",
-               "buf.fill_(1.0)"],
 }  # fmt: skip
 """Statements by family; any of them may land before, between or after the projection calls."""
+
+REGISTRY_HELPER = "REGISTRY = []\n\n\ndef bump_registered():\n    if REGISTRY:\n        REGISTRY[-1].add_(1.0)\n"
+"""Module-level lines of every case: a registry a caller-side hook may fill (setup `registry`), and a helper that
+writes what it holds without being handed anything."""
 
 SETUPS = {
     "none": ("", ""),
@@ -93,10 +87,7 @@ SETUPS = {
     "subclass": ("", "        self.block.k_proj = Scaled(16, 8, bias=False)"),
     "class_swap": ("", TOY_NARROW_LOOP + "                module.__class__ = Scaled"),
     "block_state_input": ("", "        self.block.register_forward_pre_hook(lambda m, args: (m.state,))"),
-    "registry": (
-        "REGISTRY = []\n\n\ndef bump_registered():\n    REGISTRY[-1].add_(1.0)\n",
-        "        self.block.register_forward_pre_hook(lambda m, args: REGISTRY.append(args[0]))",
-    ),
+    "registry": ("", "        self.block.register_forward_pre_hook(lambda m, args: REGISTRY.append(args[0]))"),
     "mirror_input": (
         "",
         "        self.block.register_forward_pre_hook(lambda m, args: setattr(m, 'mirror', args[0]))",
@@ -207,7 +198,11 @@ class Harness:
         name = f"case_{self.counter}"
         (self.root / f"{name}.py").write_text(
             toy_source(
-                name, case.init, case.forward(), TOY_HELPERS + "\n" + SETUPS[case.setup][0], SETUPS[case.setup][1]
+                name,
+                case.init,
+                case.forward(),
+                TOY_HELPERS + "\n" + REGISTRY_HELPER + "\n" + SETUPS[case.setup][0],
+                SETUPS[case.setup][1],
             )
         )
         try:
