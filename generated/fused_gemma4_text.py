@@ -207,6 +207,8 @@ class FusedGemma4TextAttention(nn.Module):
 
         if self.qkv_proj is not None:
             q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(self.qkv_proj_sizes, dim=-1)
+            k_proj_out = k_proj_out.clone()
+            v_proj_out = v_proj_out.clone()
         else:
             q_proj_out = self.q_proj(hidden_states)
         query_states = q_proj_out.view(hidden_shape)

@@ -511,7 +511,8 @@ STABILITY = {
     "current_written_in_place": ("        current.mul_(2)\n", "inplace-call"),
     "x_written_in_place": ("        x.add_(1)\n", "inplace-call"),
     # fact 4: between the k and v calls, the states `current` was bound from stay as k read them
-    "switch_written_between_k_and_v": ("        if kv is not None:\n            kv.mul_(2)\n", "inplace-call"),
+    # (judged first over q's region, where `kv` is a parameter the caller may have made an alias of `x`)
+    "switch_written_between_k_and_v": ("        if kv is not None:\n            kv.mul_(2)\n", "caller-alias"),
 }
 
 

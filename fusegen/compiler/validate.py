@@ -12,7 +12,11 @@ imported in memory, and its fused causal LM is compared with the original causal
   equal its pieces' gradients concatenated), with dropout seeded identically (and, on request, once more with
   gradient checkpointing: `validate(..., checkpointing=True)`; the build leaves it to tests/test_training.py);
   variants get one train step;
-- in fp64 where the original runs in fp64, else in fp32 (see `_compare_in`), on random token ids (2 x 12).
+- in fp64 where the original runs in fp64, else in fp32 (see `_compare_in`), on random token ids (2 x 12); the tiny
+  config also in fp32 (eval) and under bf16 autocast (a train step: logits and gradients), since CPU autocast leaves
+  fp64 alone (`NUMERICS`);
+- on up to `MAX_FORWARD_VARIANTS` *forward-only variants*: a boolean or optional field that changes no module but a
+  value `forward` reads (`forward_variants`), one fp32 train step each.
 
 Logits must agree within `TOLERANCE` and gradients within `GRAD_TOLERANCE`; anything else (a difference, a fused
 model that fails where the original runs, a tensor that maps nowhere) is a `validation-mismatch` with the figure.
@@ -154,10 +158,18 @@ def _validate_into(validation: Validation, target, text: str, tiny_steps: tuple[
         validation.checks.append(
             check_config("tiny", target.causal_lm, fused_class, config, mapping, merging, tiny_steps)
         )
-        for label, variant in construction_variants(target, config):
+        numerics = NUMERICS[2:] if target.causal_lm in _FP32_ONLY else NUMERICS  # the tiny check ran in fp32
+        checks = [("tiny in fp32 and bf16 autocast", config, numerics)]
+        probed: list = []
+        checks += [(label, variant, ()) for label, variant in construction_variants(target, config, probed=probed)]
+        checks += [(label, variant, ()) for label, variant in forward_variants(target, config, probed)]
+        for label, variant, steps in checks:
             if validation.mismatch is not None:
                 break  # one mismatch refuses the target; the rest would only cost time
-            validation.checks.append(check_config(label, target.causal_lm, fused_class, variant, mapping, merging))
+            mode = "fp32" if variant is config or label.endswith("(forward only)") else None
+            validation.checks.append(
+                check_config(label, target.causal_lm, fused_class, variant, mapping, merging, steps, mode)
+            )
 
 
 def refusal_reason(check: Check) -> str:
@@ -168,13 +180,46 @@ def refusal_reason(check: Check) -> str:
 # --- one config ------------------------------------------------------------------------------------------------------
 
 
+NUMERICS = ("eval", "train-autocast")
+"""The steps the tiny config is checked with in fp32, besides its fp64 check (one model pair, `check_config`'s
+`mode="fp32"`): eval in fp32, and a train step under `torch.autocast("cpu", dtype=torch.bfloat16)` (logits and
+gradients).
+
+fp64 alone misses what depends on the dtype: CPU autocast leaves fp64 tensors alone, so a forward that runs one
+projection under `torch.autocast` agrees in fp64 and differs in fp32 (the eval step), and one that runs a projection
+outside an autocast its caller entered (`torch.autocast(..., enabled=False)`) differs only under autocast (the train
+step, whose logits show it as eval's would; two steps rather than four keep the build's cost down). Under autocast a merged GEMM computes each output element from the same bf16 products in the same order as
+its pieces (logits identical on llama, qwen2, qwen3, mistral, gemma3_text: max abs diff 0), so logits are held to
+`logits_tolerance`; gradients to `AUTOCAST_GRAD_TOLERANCE` (see there)."""
+
+AUTOCAST_GRAD_TOLERANCE = 1e-1
+"""Max |gradient difference| under bf16 autocast, relative to the largest |gradient|. The input gradient of a merged
+linear is one bf16 GEMM over all pieces' rows where the original adds one bf16-rounded GEMM per piece, so gradients
+differ at bf16's resolution (2**-8 = 3.9e-3) from the first layer back: 4.7e-3 to 7.9e-3 of the largest gradient on
+llama, qwen2, qwen3, mistral and gemma3_text. 1e-1 leaves over 10x of that; a gradient that is gone or O(1) off (a
+piece computed in another grad mode) is still a mismatch, and fp64 and fp32 hold gradients to `GRAD_TOLERANCE`."""
+
+
 def check_config(
-    label: str, original_class, fused_class, config, mapping, merging: set[str], steps: tuple[str, ...] = ()
+    label: str,
+    original_class,
+    fused_class,
+    config,
+    mapping,
+    merging: set[str],
+    steps: tuple[str, ...] = (),
+    mode: str | None = None,
 ) -> Check:
-    """Original vs fused on `config`: logits and gradients (see `_compare`); `skipped` when the original fails."""
+    """Original vs fused on `config`: logits and gradients (see `_compare`); `skipped` when the original fails.
+
+    `mode` None compares in fp64 where the original runs in it, else in fp32; `"fp32"` in fp32 (the steps named
+    `...-autocast` under bf16 autocast, see `NUMERICS`)."""
     check = Check(label, "passed")
     try:
-        _compare(check, original_class, fused_class, config, mapping, merging, steps)
+        if mode is None:
+            _compare(check, original_class, fused_class, config, mapping, merging, steps)
+        else:
+            _compare_in(torch.float32, check, original_class, fused_class, config, mapping, merging, steps)
     except _Skip as skip:
         check.status, check.detail = "skipped", str(skip)
     except _Mismatch as mismatch:
@@ -199,12 +244,12 @@ _FP32_ONLY: dict[type, str] = {}
 
 
 def _compare_in(dtype, check: Check, original_class, fused_class, config, mapping, merging: set[str], steps):
-    """`_compare` with both models in `dtype`.
+    """`_compare` with both models in `dtype`; the steps named `...-autocast` run under bf16 autocast.
 
     fp64 first: a merged GEMM's reordering then shows at ~1e-16, so the tolerances leave no room for doubt even in
     a model whose random weights amplify rounding chaotically (one shown 4e-4 relative gradient differences in fp32
     and 3e-19 in fp64), while any real fault still moves results by orders of magnitude more. fp32 when the
-    original does not run in fp64 (a kernel without a double version).
+    original does not run in fp64 (a kernel without a double version), and for `NUMERICS`.
     """
 
     try:
@@ -232,7 +277,8 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
         with _executed(fused, merging) as ran:
             actual = _run(_WHERE[step], _step, step, fused, input_ids, expected[2])
         _never_executed(ran, step)
-        _agree(check, expected, actual, mapping, _WHERE[step])
+        tolerance = AUTOCAST_GRAD_TOLERANCE if step.endswith("-autocast") else GRAD_TOLERANCE
+        _agree(check, expected, actual, mapping, _WHERE[step], tolerance)
         if not full:
             return
 
@@ -248,11 +294,21 @@ def _check_finite(logits: torch.Tensor, step: str, dtype: torch.dtype) -> None:
         raise _Skip(f"the original's {_WHERE[step]} logits are not finite in {str(dtype).removeprefix('torch.')}")
 
 
-_WHERE = {"eval": "eval", "train": "train mode", "checkpointing": "train mode with gradient checkpointing"}
+_WHERE = {
+    "eval": "eval",
+    "train": "train mode",
+    "checkpointing": "train mode with gradient checkpointing",
+    "eval-autocast": "eval under bf16 autocast",
+    "train-autocast": "train mode under bf16 autocast",
+}
 
 
 def _step(step: str, model, input_ids, kwargs: dict | None = None) -> tuple:
-    """`(logits, gradients or None, eval arguments or None)` of one eval step or one train step."""
+    """`(logits, gradients or None, eval arguments or None)` of one eval step or one train step (`...-autocast`: under
+    bf16 autocast on the CPU)."""
+    if step.endswith("-autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _step(step.removesuffix("-autocast"), model, input_ids, kwargs)
     if step == "eval":
         values, used = _eval_logits(model, input_ids, kwargs)
         return values, None, used, _image_features(model, input_ids)
@@ -276,7 +332,7 @@ def _fused_copy(original, fused_class, config, mapping, merging: set[str], dtype
     return fused
 
 
-def _agree(check: Check, expected, actual, mapping, where: str) -> None:
+def _agree(check: Check, expected, actual, mapping, where: str, grad_tolerance: float = GRAD_TOLERANCE) -> None:
     """Record the differences of one step, or raise `_Mismatch` when they exceed the tolerances."""
     expected_logits, expected_grads, _, expected_features = expected
     actual_logits, actual_grads, _, actual_features = actual
@@ -285,7 +341,7 @@ def _agree(check: Check, expected, actual, mapping, where: str) -> None:
         diff = max(diff, _logits_diff(expected_features, actual_features, f"{where} image features"))
     check.logits_diff = diff if check.logits_diff is None else max(check.logits_diff, diff)
     if expected_grads is not None:
-        grad = _grad_diff(expected_grads, actual_grads, mapping, where)
+        grad = _grad_diff(expected_grads, actual_grads, mapping, where, grad_tolerance)
         check.grad_diff = grad if check.grad_diff is None else max(check.grad_diff, grad)
 
 
@@ -443,7 +499,7 @@ def _logits_diff(expected, actual, where: str) -> float:
     return diff
 
 
-def _grad_diff(expected: dict, actual: dict, mapping: dict, where: str) -> float:
+def _grad_diff(expected: dict, actual: dict, mapping: dict, where: str, tolerance: float = GRAD_TOLERANCE) -> float:
     """Largest gradient difference over the fused model's parameters (merged ones against their pieces), relative
     to the largest |gradient| of any parameter of the original; see `GRAD_TOLERANCE`.
 
@@ -463,10 +519,10 @@ def _grad_diff(expected: dict, actual: dict, mapping: dict, where: str) -> float
             continue
         diff = (grad - reference).abs().max().item()
         relative = diff / scale if scale > 0 else (math.inf if diff > 0 else 0.0)
-        if math.isnan(diff) or relative > GRAD_TOLERANCE:
+        if math.isnan(diff) or relative > tolerance:
             raise _Mismatch(
                 f"{where}: gradient of {name} differs by {diff:.3g} ({relative:.3g} of the largest gradient "
-                f"> {GRAD_TOLERANCE:g})"
+                f"> {tolerance:g})"
             )
         if not grad.any() and reference.any():
             raise _Mismatch(
@@ -528,7 +584,12 @@ def _mapped(name: str, source: dict, mapping: dict, used: set | None = None):
 
 
 def construction_variants(
-    target, config, limit: int | None = MAX_VARIANTS, max_probes: int | None = MAX_PROBES, every_field: bool = False
+    target,
+    config,
+    limit: int | None = MAX_VARIANTS,
+    max_probes: int | None = MAX_PROBES,
+    every_field: bool = False,
+    probed: list | None = None,
 ) -> list[tuple[str, object]]:
     """Up to `limit` configs, each `config` with one field changed, that build a differently structured model.
 
@@ -541,10 +602,15 @@ def construction_variants(
     The build keeps its cost down: at most `limit` variants from at most `max_probes` probes, of fields the modeling
     module names. The coverage tool passes None for both and `every_field=True`, since a field the modeling code
     never names can still decide the structure through the config (Jamba's `attn_layer_offset` makes
-    `layers_block_type`).
+    `layers_block_type`). `probed`, if given, receives `(None, None, config, model)` and then `(field, value,
+    variant, model)` for every probed single-field change that builds `config`'s structure (`forward_variants`).
     """
 
-    seen = {_structure(target, config)}
+    base = _built_model(target, config)
+    structure = _structure_of(base)
+    seen = {structure}
+    if probed is not None:
+        probed.append((None, None, config, base))
     variants = []
     read = _EVERYTHING if every_field else _source_words(target)
     reshrinks = _reshrinks_to_itself(target, config)
@@ -564,12 +630,15 @@ def construction_variants(
                 variant = dataclasses.replace(config, **{name: value})
             if getattr(variant, name, value) != value and not isinstance(value, list):
                 continue  # the config re-derived the field: not the variant asked for
-            structure = _structure(target, variant)
+            model = _built_model(target, variant)
         except Exception:  # noqa: BLE001, S112 - a variant the config or the model rejects is not a variant
             continue
-        if structure not in seen:
-            seen.add(structure)
+        changed = _structure_of(model)
+        if changed not in seen:
+            seen.add(changed)
             variants.append((f"{name}={_short_value(value)}", variant))
+        elif changed == structure and probed is not None:
+            probed.append((name, value, variant, model))
     more = dependent_variants(target, config, read, reshrinks, every_field) if _below(limit, variants) else []
     for label, variant in more:
         if not _below(limit, variants):
@@ -582,6 +651,71 @@ def construction_variants(
             seen.add(structure)
             variants.append((label, variant))
     return variants
+
+
+MAX_FORWARD_VARIANTS = 1
+"""At most this many forward-only variants per target (`forward_variants`), each checked with one fp32 train step."""
+
+
+def forward_variants(target, config, probed: list, limit: int = MAX_FORWARD_VARIANTS) -> list[tuple[str, object]]:
+    """Up to `limit` configs, each `config` with one boolean or optional field changed, that build the same module
+    tree but may run a different forward: a flag read only in `forward` (`if self.config.flag:`, or stored by
+    `__init__` as `self.flag` and read there) decides which code runs, possibly whether a hazard is live, and
+    `construction_variants` never keeps it, since the model it builds looks the same.
+
+    `probed` is what `construction_variants` built and found to have `config`'s structure: `(field, value, variant,
+    model)`, the base model first. A boolean or optional field counts when it changes a plain attribute of some
+    module (a number, string, flag or None `__init__` stored for `forward` to read), or when the source of a
+    `forward` of the modeling module names it; those a forward names come first. No model is built here, so the
+    build pays only for the checks; a miss is one variant less, never a pass.
+    """
+    if not probed:
+        return []
+    in_forward = _forward_words(target)
+    (_, _, _, base), candidates = probed[0], probed[1:]
+    behaviour = _behaviour(base)
+    found = [
+        (name, value, variant)
+        for name, value, variant, model in candidates
+        if (isinstance(value, bool) or value is None or getattr(config, name, 0) is None)
+        and name not in _FIXED_BY_STEPS
+        and (name in in_forward or _behaviour(model) != behaviour)
+    ]
+    found.sort(key=lambda item: item[0] not in in_forward)  # stable: fields a forward names first
+    return [(f"{name}={_short_value(value)} (forward only)", variant) for name, value, variant in found[:limit]]
+
+
+_FIXED_BY_STEPS = frozenset({"tie_word_embeddings", "use_cache"})
+"""Fields a forward-only variant would not vary: tying changes the structure (`construction_variants` takes it), and
+every check's train step passes `use_cache=False` whatever the config says."""
+
+
+def _forward_words(target) -> set[str]:
+    """Every identifier in the source of a `forward` defined by a class of the modeling module."""
+    import inspect
+
+    words: set[str] = set()
+    for cls in vars(target.module).values():
+        forward = vars(cls).get("forward") if isinstance(cls, type) else None
+        if forward is None:
+            continue
+        try:
+            words |= set(re.findall(r"\w+", inspect.getsource(forward)))
+        except (OSError, TypeError):
+            continue
+    return words
+
+
+def _behaviour(model: nn.Module) -> tuple:
+    """The plain attributes (numbers, strings, flags, None) each module of `model` holds: what `__init__` stored for
+    `forward` to read."""
+    plain = (bool, int, float, str, type(None))
+    return tuple(
+        (path, key, value)
+        for path, module in model.named_modules()
+        for key, value in sorted(vars(module).items())
+        if not key.startswith("_") and key != "training" and isinstance(value, plain)
+    )
 
 
 def _below(limit: int | None, variants: list) -> bool:
@@ -835,11 +969,21 @@ def _structure(target, config) -> tuple:
     Built on the CPU without weight initialisation, then tied as `post_init` would: at tiny sizes that is half the
     cost of `meta`, whose device mode intercepts every tensor call, and the values are never read.
     """
+    return _structure_of(_built_model(target, config))
+
+
+def _built_model(target, config) -> nn.Module:
+    """`target`'s causal LM built from `config` without weight initialisation, tied as `post_init` would tie it."""
     from transformers.initialization import no_init_weights
 
     with no_init_weights():
         model = target.causal_lm(config)
     model.tie_weights()
+    return model
+
+
+def _structure_of(model: nn.Module) -> tuple:
+    """`_structure` of a built model."""
     modules = tuple((name, type(module).__name__) for name, module in model.named_modules())
     return modules + tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 

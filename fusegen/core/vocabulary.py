@@ -18,14 +18,16 @@ METADATA_ATTRS = frozenset(
 
 METADATA_METHODS = frozenset(
     {"size", "dim", "numel", "stride", "is_contiguous", "element_size", "get_device", "nelement", "item", "tolist",
-     "is_floating_point", "is_complex", "data_ptr", "storage_offset", "ndimension", "has_names"}
+     "is_floating_point", "is_complex", "storage_offset", "ndimension", "has_names"}
 )  # fmt: skip
-"""Methods that return ints, tuples, flags or Python copies of the values."""
+"""Methods that return ints, tuples, flags or Python copies of the values. Not `data_ptr`: its int is the storage's
+address, which `ctypes` (or any C extension) can write through, so it counts as reaching the tensor."""
 
 
 PURE_METHODS = frozenset(
     {
         *METADATA_METHODS,
+        "data_ptr",
         "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "contiguous", "unsqueeze",
         "squeeze", "flatten", "unflatten", "expand", "expand_as", "repeat", "repeat_interleave", "chunk", "split",
         "narrow", "select", "unbind", "t", "to", "float", "half", "bfloat16", "double", "int", "long", "bool",
@@ -74,6 +76,14 @@ and `torch.ops` overloads write their arguments, so only these names count.
 
 FRESH_METHODS = frozenset({"clone", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
 """Tensor methods whose result is always new storage, whatever the receiver: it aliases nothing."""
+
+
+FRESH_TORCH = frozenset(
+    {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "zeros", "ones",
+     "full", "empty", "arange", "linspace", "logspace", "rand", "randn", "randint", "eye", "tensor", "clone"}
+)  # fmt: skip
+"""Functions of the `torch` namespace whose result is always new storage: it aliases none of their operands
+(`torch.tensor` copies its data; `torch.as_tensor` may not, so it is not here)."""
 
 
 PURE_BUILTINS = frozenset(

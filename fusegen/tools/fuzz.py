@@ -44,7 +44,7 @@ RETURN = (
 )
 INIT = (
     "        self.act = nn.Tanh()\n        self.register_buffer('saved', torch.zeros(16))\n"
-    "        self.register_buffer('state', torch.ones(2, 5, 16))\n"
+    "        self.register_buffer('state', torch.ones(2, 5, 16))\n        self.mirror = torch.zeros(2, 5, 16)\n"
 )
 
 FAMILIES = {
@@ -68,6 +68,10 @@ FAMILIES = {
 }  # fmt: skip
 """Statements by family; any of them may land before, between or after the projection calls."""
 
+REGISTRY_HELPER = "REGISTRY = []\n\n\ndef bump_registered():\n    if REGISTRY:\n        REGISTRY[-1].add_(1.0)\n"
+"""Module-level lines of every case: a registry a caller-side hook may fill (setup `registry`), and a helper that
+writes what it holds without being handed anything."""
+
 SETUPS = {
     "none": ("", ""),
     "forward_hook": ("", TOY_NARROW_LOOP + "                module.register_forward_hook(lambda m, i, o: o * 2)"),
@@ -83,6 +87,11 @@ SETUPS = {
     "subclass": ("", "        self.block.k_proj = Scaled(16, 8, bias=False)"),
     "class_swap": ("", TOY_NARROW_LOOP + "                module.__class__ = Scaled"),
     "block_state_input": ("", "        self.block.register_forward_pre_hook(lambda m, args: (m.state,))"),
+    "registry": ("", "        self.block.register_forward_pre_hook(lambda m, args: REGISTRY.append(args[0]))"),
+    "mirror_input": (
+        "",
+        "        self.block.register_forward_pre_hook(lambda m, args: setattr(m, 'mirror', args[0]))",
+    ),
     "parametrized": (
         "",
         TOY_NARROW_LOOP
@@ -92,6 +101,8 @@ SETUPS = {
 """Module-level and `ToyLayer.__init__` lines: hooks, a subclassed or parametrized projection."""
 
 SETUP_CHOICES = ["none"] * 6 + sorted(set(SETUPS) - {"none"})
+"""(`registry` and `mirror_input` hand the block's input to the caller-side aliases `bump_registered()` and
+`self.mirror` reach; without them those read a registry or buffer of their own.)"""
 STATEMENTS = [statement for family in FAMILIES.values() for statement in family]
 
 
@@ -187,7 +198,11 @@ class Harness:
         name = f"case_{self.counter}"
         (self.root / f"{name}.py").write_text(
             toy_source(
-                name, case.init, case.forward(), TOY_HELPERS + "\n" + SETUPS[case.setup][0], SETUPS[case.setup][1]
+                name,
+                case.init,
+                case.forward(),
+                TOY_HELPERS + "\n" + REGISTRY_HELPER + "\n" + SETUPS[case.setup][0],
+                SETUPS[case.setup][1],
             )
         )
         try:

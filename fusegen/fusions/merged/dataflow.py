@@ -19,6 +19,7 @@ from fusegen.core.astutil import self_attr
 from fusegen.core.plan import Refused
 from fusegen.core.vocabulary import (
     FRESH_METHODS,
+    FRESH_TORCH,
     INPLACE_DUNDERS,
     METADATA_ATTRS,
     METADATA_METHODS,
@@ -78,10 +79,63 @@ def call_may_alias(call: ast.Call, tracked: set[str], module: nn.Module) -> bool
         return False  # a linear writes its result into new storage (unless a hook hands back something else)
     if isinstance(func, ast.Attribute) and (func.attr in METADATA_METHODS or func.attr in FRESH_METHODS):
         return False
+    if torch_allocation(call):
+        return False  # `torch.empty_like(x)`: new storage, whatever it is handed
     if isinstance(func, ast.Attribute) and func.attr in PURE_METHODS and linear_output(func.value, module):
         return False  # a view of, or new storage made from, the linear's new storage (`self.q_b_proj(q).view(s)`)
     operands = [func, *call.args, *(keyword.value for keyword in call.keywords)]
     return any(may_alias(operand, tracked, module) for operand in operands)
+
+
+def torch_allocation(call: ast.Call) -> bool:
+    """Is `call` `torch.<f>(...)` for an `f` that always returns new storage (`FRESH_TORCH`: `torch.zeros_like`)?"""
+    func = call.func
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr in FRESH_TORCH
+        and isinstance(func.value, ast.Name)
+        and func.value.id == "torch"
+    )
+
+
+def allocated_names(funcdef: ast.FunctionDef) -> set[str]:
+    """Local names that only ever hold storage the forward allocated itself: every binding of the name (anywhere)
+    is a plain assignment of `torch.<allocation>(...)` (`torch.empty_like(x)`) or of a `FRESH_METHODS` call
+    (`x.new_zeros(n)`, `.clone()`); never a parameter, a `global`/`nonlocal` name, or the receiver of `set_` (which
+    makes a tensor share another's storage). Writing into such a name (`buf.fill_(0)`, `buf.copy_(x)`, `acc += x`,
+    `m[0] = 1`) writes that new storage only, never the input, and an in-place tensor method keeps no reference
+    to its operands; so the alias analysis leaves these names out (`aliases(..., exclude=)`)."""
+    values: dict[str, list] = {}
+    for targets, value in bindings(funcdef):
+        for target in targets:
+            for name in bound_names(target):
+                values.setdefault(name, []).append(value if isinstance(target, ast.Name) else None)
+    for node in ast.walk(funcdef):
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            values[node.target.id] = [v for v in values.get(node.target.id, []) if v is not node.value]
+    parameters = {arg.arg for arg in ast.walk(funcdef.args) if isinstance(arg, ast.arg)}
+    declared = {n for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+    set_receivers = {
+        node.func.value.id
+        for node in ast.walk(funcdef)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "set_"
+        and isinstance(node.func.value, ast.Name)
+    }
+    return {
+        name
+        for name, bound in values.items()
+        if bound
+        and name not in parameters | declared | set_receivers
+        and all(
+            isinstance(value, ast.Call)
+            and (
+                torch_allocation(value) or (isinstance(value.func, ast.Attribute) and value.func.attr in FRESH_METHODS)
+            )
+            for value in bound
+        )
+    }
 
 
 def linear_output(expr: ast.expr, module: nn.Module) -> bool:
@@ -100,8 +154,15 @@ def linear_output(expr: ast.expr, module: nn.Module) -> bool:
     return isinstance(expr, ast.Call) and self_attr(expr.func) and plain_linear(getattr(module, expr.func.attr, None))
 
 
-def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace: dict | None = None) -> set[str]:
-    """`seeds` plus every name in `funcdef` that may be bound to a view of them, or hold one.
+def aliases(
+    funcdef: ast.FunctionDef,
+    seeds: set[str],
+    module: nn.Module,
+    namespace: dict | None = None,
+    exclude: set[str] | frozenset = frozenset(),
+) -> set[str]:
+    """`seeds` plus every name in `funcdef` that may be bound to a view of them, or hold one (never a name of
+    `exclude`: `allocated_names`, which only hold new storage).
 
     Flow-insensitive (any assignment anywhere counts) and transitive, so
     chains (`h = x.view(-1); g = h[1:]`), unpacking, bound methods
@@ -109,7 +170,7 @@ def aliases(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namesp
     handed an alias by a call not known to keep no reference (`cache.append(x)`,
     `stash(cache, x)`) may hold it afterwards, so it is tracked too.
     """
-    return aliases_of(funcdef, seeds, module, namespace, stash=True)
+    return aliases_of(funcdef, seeds, module, namespace, stash=True, exclude=exclude)
 
 
 def sources(funcdef: ast.FunctionDef, names: set[str], module: nn.Module) -> set[str]:
@@ -137,7 +198,9 @@ def sources(funcdef: ast.FunctionDef, names: set[str], module: nn.Module) -> set
     return found
 
 
-def aliases_of(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace, stash: bool) -> set[str]:
+def aliases_of(
+    funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, namespace, stash: bool, exclude=frozenset()
+) -> set[str]:
     """`aliases`, with or without the names that come to hold an alias by being handed one (`stash`)."""
     found_bindings = list(bindings(funcdef))
     local = local_names(funcdef) - {"self"}
@@ -152,6 +215,7 @@ def aliases_of(funcdef: ast.FunctionDef, seeds: set[str], module: nn.Module, nam
                 new |= {name for target in targets for name in bound_names(target)}
         for call in calls:
             new |= stash_targets(call, tracked, module, namespace, local)
+        new -= exclude
         if new - tracked:
             tracked |= new
             changed = True

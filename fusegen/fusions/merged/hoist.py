@@ -81,6 +81,7 @@ from fusegen.fusions.merged.lookup import (
     operator_module_function,
     resolve_dotted,
 )
+from fusegen.fusions.merged.region_rules import region_findings
 from fusegen.fusions.merged.rules import raise_first
 
 _SCOPES = (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.GeneratorExp)
@@ -382,6 +383,7 @@ def check_calls(
     namespace: dict,
     projection_calls: list[ast.Call],
     local: set[str],
+    allocated: set[str] | frozenset = frozenset(),
 ):
     """Every call in the region that could reach an alias must be shown not to write it.
 
@@ -393,15 +395,21 @@ def check_calls(
     """
     skip = {id(call) for call in projection_calls}
     for call in (node for node in region_nodes(region) if isinstance(node, ast.Call)):
-        found = None if id(call) in skip else judge_call(call, tracked, module, namespace, local)
+        found = None if id(call) in skip else judge_call(call, tracked, module, namespace, local, allocated)
         if found is not None:
             yield found
 
 
 def judge_call(
-    call: ast.Call, tracked: set[str], module: nn.Module, namespace: dict, local: set[str]
+    call: ast.Call,
+    tracked: set[str],
+    module: nn.Module,
+    namespace: dict,
+    local: set[str],
+    allocated: set[str] | frozenset = frozenset(),
 ) -> Refused | None:
-    """The one finding against `call`, or None if it provably leaves every tracked alias intact."""
+    """The one finding against `call`, or None if it provably leaves every tracked alias intact (`allocated`: the
+    names `dataflow.allocated_names` proves hold only new storage)."""
     func = call.func
     text = ast.unparse(call)
     found = _check_keywords(call, tracked, module, text)
@@ -420,6 +428,8 @@ def judge_call(
             receiver = "alias" if may_alias(func.value, tracked, module) else None
             if receiver is None and dataflow.linear_output(func.value, module):
                 receiver = "tensor"
+            if receiver is None and isinstance(func.value, ast.Name) and func.value.id in allocated:
+                receiver = "new"
             return _judge_method(call, func, receiver, args_alias, text)
         return _judge_function(resolved, call, text) if args_alias else None
     if isinstance(func, ast.Name):
@@ -443,7 +453,8 @@ def _judge_method(
     """A method of a local value: only allowlisted tensor methods may be called on, or handed, an alias.
 
     `receiver` is "alias" if the receiver may alias the input, "tensor" if it
-    is a plain linear's output (`linear_output`), else None. The receiver is
+    is a plain linear's output (`linear_output`), "new" if it is a name that only
+    holds storage the forward allocated (`allocated_names`), else None. The receiver is
     known to be a tensor only in those two cases (the input is a tensor, and
     `check_no_opaque_aliases` keeps every other alias a tensor view): handed an
     alias, a method of any other object is unknown.
@@ -455,6 +466,8 @@ def _judge_method(
         rule = "inplace-operator" if name.startswith(("__i", "__set", "__del")) else "impure-call"
         return Refused(rule, f"`{text}` calls the dunder `{name}` on the projection input", call)
     if name.endswith("_") and not name.endswith("__"):
+        if receiver == "new" and name != "set_":
+            return None  # writes the new storage it is called on (`buf.copy_(x)`), keeps no reference to `x`
         return Refused("inplace-call", f"`{text}` writes the projection input in place", call)
     if receiver is None:
         return Refused("impure-call", f"`{text}` hands the projection input to a method of an unknown object", call)
@@ -570,7 +583,8 @@ def check_no_opaque_aliases(
             if call_may_alias(call, tracked, module) and not keeps_no_reference(call, tracked, module, namespace):
                 for name in (name for target in targets for name in bound_names(target)):
                     makers.setdefault(name, []).append(call)
-    hits = {name: nodes for name, nodes in makers.items() if name not in names}
+    allocated = dataflow.allocated_names(funcdef)  # `t.copy_(x)` on new storage copies `x`, keeps no reference
+    hits = {name: nodes for name, nodes in makers.items() if name not in names and name not in allocated}
     end = max(getattr(node, "end_lineno", 0) or 0 for node in region_nodes(region))
     parent_of = parent_map(funcdef)
     for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
@@ -670,7 +684,8 @@ def check_input_stable(
     rebinding a source leaves the tensor the input names as it was.
     """
     names = input_names(arg)
-    tracked = aliases(funcdef, sources(funcdef, names, module), module, namespace)
+    allocated = dataflow.allocated_names(funcdef)
+    tracked = aliases(funcdef, sources(funcdef, names, module), module, namespace, exclude=allocated)
     local = local_names(funcdef)
     raise_first(
         itertools.chain(
@@ -681,9 +696,10 @@ def check_input_stable(
             check_no_escape(funcdef, region, tracked, module, namespace),
             check_no_deferred_capture(funcdef, region, tracked),
             check_no_opaque_aliases(funcdef, region, tracked, names, module, namespace, projection_calls),
-            check_calls(region, tracked, module, namespace, projection_calls, local),
+            check_calls(region, tracked, module, namespace, projection_calls, local, allocated),
             check_no_state_methods(region, module),
             check_no_state_source(funcdef, region, tracked, module),
             check_frame_access(funcdef, namespace),
+            region_findings(funcdef, region, tracked, names, module, namespace, projection_calls),
         )
     )

@@ -291,6 +291,6 @@ def _splice(funcdef, plan, calls, shared, own, switch, shared_site, own_site, mo
     block.insert(position, ast.fix_missing_locations(ast.copy_location(shared_stmt, block[position])))
     for call, temp in zip(calls, temps):
         astutil.replace_node(funcdef, call, ast.copy_location(ast.Name(temp, ast.Load()), call))
-    detach_written_pieces(funcdef, temps, shared_stmt.body, 0, module)
-    detach_written_pieces(funcdef, [temps[i] for i in shared], shared_stmt.orelse, 0, module)
-    detach_written_pieces(funcdef, [temps[i] for i in own], own_stmt.body, 0, module)
+    detach_written_pieces(funcdef, temps, shared_stmt.body, 0, module, {hidden})
+    detach_written_pieces(funcdef, [temps[i] for i in shared], shared_stmt.orelse, 0, module, {hidden})
+    detach_written_pieces(funcdef, [temps[i] for i in own], own_stmt.body, 0, module, {current})

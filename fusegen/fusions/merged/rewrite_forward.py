@@ -15,13 +15,14 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import sys
 
 from torch import nn
 
 from fusegen.core import astutil
 from fusegen.core.plan import FusionPlan, Refused
 from fusegen.core.vocabulary import ATTRIBUTE_BY_NAME, IN_PLACE_OPERATORS, REFLECTION_NAMES
-from fusegen.fusions.merged import dataflow, hoist, lookup
+from fusegen.fusions.merged import dataflow, hoist, lookup, pieces
 from fusegen.runtime.linear import sizes_attribute
 
 
@@ -227,9 +228,9 @@ def _splice(
     for call, temp in zip(calls, temps):
         astutil.replace_node(funcdef, call, ast.copy_location(ast.Name(temp, ast.Load()), call))
     if conditional:
-        detach_written_pieces(funcdef, temps, statement.body, 0, module)
+        detach_written_pieces(funcdef, temps, statement.body, 0, module, dataflow.loads(calls[0].args[0]))
     else:
-        detach_written_pieces(funcdef, temps, block, index, module)
+        detach_written_pieces(funcdef, temps, block, index, module, dataflow.loads(calls[0].args[0]))
 
 
 def _guarded_split(
@@ -263,9 +264,17 @@ def _guarded_split(
 
 
 def detach_written_pieces(
-    funcdef: ast.FunctionDef, temps: list[str], block: list[ast.stmt], index: int, module: nn.Module | None
+    funcdef: ast.FunctionDef,
+    temps: list[str],
+    block: list[ast.stmt],
+    index: int,
+    module: nn.Module | None,
+    inputs: set[str] | frozenset = frozenset(),
 ) -> None:
-    """After the split, give each piece the forward may write in place a storage of its own: `piece = piece.clone()`.
+    """After the split, give each piece the forward may write in place a storage of its own: `piece = piece.clone()`;
+    and each piece whose layout may show a contiguous one: `piece = piece.contiguous()` (`fusegen.fusions.merged.
+    pieces`: an unproven `.view`, a layout read; `inputs` are the names of the merged call's input, whose shape
+    proves a view keeps the leading dims).
 
     `split` returns views of one tensor, and autograd refuses to let a view that is one of several outputs of a
     node be modified in place ("Output 0 of SplitWithSizes is a view and is being modified inplace"), where the
@@ -287,6 +296,12 @@ def detach_written_pieces(
     raises on the write in training, and in inference the write lands in the piece's own disjoint slice of the
     merged output, which nothing else reads. Build-time validation runs the forward under autograd too.
     Unwritten pieces keep the plain split, so models that write no projection output in place pay nothing.
+
+    Pieces written where the forward does not show it get the same clone: a piece stored away, returned, or
+    handed to a function or submodule not proven free of writes (`pieces.needs_own_storage`). A piece whose
+    layout may show is made contiguous instead (`.contiguous()` copies a split piece, so it also has storage of
+    its own): every value is the same, its backward passes the gradient through, and a `.view` that only a
+    contiguous tensor allows (`k.view(-1)`) then works as it did on the projection's output.
     """
     reflective = any(
         isinstance(node, ast.Call)
@@ -294,12 +309,21 @@ def detach_written_pieces(
         and node.func.id in REFLECTION_NAMES | ATTRIBUTE_BY_NAME
         for node in ast.walk(funcdef)
     )
-    written = [
-        temp for temp in temps if reflective or _written_in_place(funcdef, dataflow.aliases(funcdef, {temp}, module))
-    ]
-    for offset, temp in enumerate(written, start=1):
-        clone = ast.parse(f"{temp} = {temp}.clone()").body[0]
-        block.insert(index + offset, ast.copy_location(clone, block[index]))
+    namespace = vars(sys.modules[type(module).__module__]) if module is not None else {}
+    treated = []
+    for temp in temps:
+        tracked = dataflow.aliases(funcdef, {temp}, module)
+        views = pieces.view_names(funcdef, temp)
+        if pieces.needs_contiguous(funcdef, temp, views, set(inputs)):
+            treated.append(f"{temp} = {temp}.contiguous()")
+        elif (
+            reflective
+            or _written_in_place(funcdef, tracked)
+            or pieces.needs_own_storage(funcdef, views, module, namespace)
+        ):
+            treated.append(f"{temp} = {temp}.clone()")
+    for offset, line in enumerate(treated, start=1):
+        block.insert(index + offset, ast.copy_location(ast.parse(line).body[0], block[index]))
 
 
 def _written_in_place(funcdef: ast.FunctionDef, tracked: set[str]) -> bool:

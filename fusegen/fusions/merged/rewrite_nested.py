@@ -58,6 +58,7 @@ from torch import nn
 from fusegen.core import astutil
 from fusegen.core.plan import FusionPlan, Refused
 from fusegen.fusions.merged import hoist
+from fusegen.fusions.merged.dataflow import loads
 from fusegen.fusions.merged.rewrite_forward import (
     absent_linears_present,
     detach_written_pieces,
@@ -359,4 +360,4 @@ def rewrite_forward_nested(
             exists = ast.parse(f"{merged} is not None").body[0].value
             piece = ast.IfExp(test=exists, body=piece, orelse=call)
         astutil.replace_node(funcdef, call, ast.fix_missing_locations(ast.copy_location(piece, call)))
-    detach_written_pieces(funcdef, temps, guarded.body, 0, module)  # clones of written pieces follow the split
+    detach_written_pieces(funcdef, temps, guarded.body, 0, module, loads(arg))  # clones of written pieces follow

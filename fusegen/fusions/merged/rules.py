@@ -20,6 +20,7 @@ def raise_first(findings) -> None:
 
 PROJECTIONS = "Projections are what they look like"
 INPUT = "The input is stable between the projections"
+WORLD = "The merged call runs in the world of every piece"
 REWRITE = "The rewrite and the build"
 
 LIVE_AND_HOIST_RULES: tuple[Rule, ...] = (
@@ -55,6 +56,23 @@ LIVE_AND_HOIST_RULES: tuple[Rule, ...] = (
         ("state-method-call", "the region calls a method of the module itself"),
         ("state-source", "the input may be module state that the region may write"),
         ("frame-access", "forward calls a module-level function that may reach the caller's frame"),
+    ),
+    *rules(
+        WORLD,
+        (
+            "ambient-context",
+            "a projection runs under a context, or after a state switch, that its siblings or the merged call may not",
+        ),
+        (
+            "caller-alias",
+            "the region writes in place into a name not proven fresh local storage (the caller may alias it)",
+        ),
+        ("region-call", "the region makes a call not proven to write nothing, whether or not it is handed the input"),
+        (
+            "projection-identity",
+            "the projections or their parameters are reached other than through the spelled self.<proj>",
+        ),
+        ("argument-write", "a call writes its arguments (max_norm, running statistics, a self-updating submodule)"),
     ),
 )
 """The rules `raise_first` reports for the live checks (`live`) and the hoisting rules (`hoist`)."""

@@ -1,0 +1,270 @@
+"""Which split pieces need storage of their own, or a contiguous layout, to behave as the projection outputs did.
+
+The fused forward splits one merged output into pieces: views of one tensor, not contiguous (each row of a piece is
+a slice of a longer row), and, under autograd, outputs of one multi-output node, which autograd refuses to let be
+written in place. The original's projection outputs were independent, contiguous tensors. So:
+
+* `needs_own_storage`: a piece that may be written in place later, by code the forward does not show, gets a
+  copy of its own (`piece = piece.clone()`, exact: see `rewrite_forward.detach_written_pieces`). That is a piece
+  any alias of which is stored away (`self.seen = k`, `box[0] = k`), returned as it is, handed to a module-level
+  Python function not proven free of writes (`region_rules.effect_free`), or handed to a submodule not proven so
+  (`module_effect_free`: an in-place activation, a user module that keeps what it is handed). What a callee the
+  analysis cannot resolve does with a piece (an attention interface looked up by name, a cache's `update`) is
+  trusted: Transformers' attention functions and caches read or copy their operands.
+* `needs_contiguous`: a piece whose layout may show gets `piece = piece.contiguous()`: an alias of it is `.view`ed
+  with a shape not proven to keep every leading dim (`view(-1)` on a piece raises where the original's output
+  viewed fine), or its layout is read (`stride()`, `is_contiguous()`, `data_ptr()`, storage). The proof covers what
+  Transformers spells (`q.view(hidden_shape)`, `hidden_shape = (*input_shape, -1, d)`, `input_shape =
+  x.shape[:-1]`; `bsz, q_len, _ = x.size()`, `q.view(bsz, q_len, h, d)`), so those models pay nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import types
+
+from torch import nn
+
+from fusegen.core import vocabulary
+from fusegen.core.astutil import enclosing_loop_or_scope, parents, self_attr
+from fusegen.fusions.merged import dataflow, live, lookup, region_rules
+
+LAYOUT_METHODS = frozenset({"stride", "is_contiguous", "data_ptr", "storage_offset", "untyped_storage", "storage"})
+"""Tensor methods whose result depends on the layout, where a split piece differs from a projection output."""
+
+
+def module_effect_free(child: object) -> bool:
+    """Does calling `child` provably write nothing it is handed and keep no reference to it?
+
+    Every module inside it is a trusted torch or Transformers-activation module not in place (`live.pure_module`),
+    or a class whose `forward` is effect-free by bytecode (`region_rules.effect_free`: no store of any kind, no
+    in-place call); no hooks, no instance-level `forward`."""
+    if not isinstance(child, nn.Module) or live.global_hooks():
+        return False
+    for inner in child.modules():
+        if live.module_hooks(inner) or "forward" in vars(inner) or getattr(inner, "inplace", False):
+            return False
+        if live.pure_module(inner):
+            continue
+        forward = inspect.getattr_static(type(inner), "forward", None)
+        if not (isinstance(forward, types.FunctionType) and region_rules.effect_free(forward)):
+            return False
+    return True
+
+
+def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Module | None, namespace: dict) -> bool:
+    """Is a piece whose possible aliases are `tracked` stored away, returned, or handed to unproven code?"""
+    local = dataflow.local_names(funcdef)
+    for node in ast.walk(funcdef):
+        if isinstance(node, ast.Return) and node.value is not None and _holds(node.value, tracked):
+            return True
+        stored = isinstance(node, ast.Assign) and any(
+            isinstance(t, (ast.Attribute, ast.Subscript)) for target in node.targets for t in ast.walk(target)
+        )
+        if stored and _holds(node.value, tracked):
+            return True
+        if not isinstance(node, ast.Call):
+            continue
+        operands = [*node.args, *(keyword.value for keyword in node.keywords)]
+        if not any(_holds(operand, tracked) for operand in operands):
+            continue
+        func = node.func
+        if self_attr(func):
+            child = getattr(module, func.attr, None) if module is not None else None
+            if isinstance(child, nn.Module) and not module_effect_free(child):
+                return True
+        elif isinstance(func, (ast.Name, ast.Attribute)):
+            resolved = lookup.resolve(func, namespace, local)
+            user = isinstance(resolved, types.FunctionType) and not (resolved.__module__ or "").startswith("torch")
+            if user and not region_rules.effect_free(resolved):
+                return True
+    return False
+
+
+def view_names(funcdef: ast.FunctionDef, temp: str) -> set[str]:
+    """`temp` and the names bound (anywhere) to a view of it or a container holding it (`_holds`): the names whose
+    value is the piece's storage. A result of other code handed the piece (`attn_output = attention(q, k, v)`) is
+    not one: what such code does with the piece is judged where it is handed it."""
+    views = {temp}
+    found = list(dataflow.bindings(funcdef))
+    changed = True
+    while changed:
+        changed = False
+        for targets, value in found:
+            if _holds(value, views):
+                new = {name for target in targets for name in dataflow.bound_names(target)} - views
+                if new:
+                    views |= new
+                    changed = True
+    return views
+
+
+def _holds(expr: ast.expr, tracked: set[str]) -> bool:
+    """Could `expr` be, or hold, one of `tracked` (a name, a view of one, a tuple or list holding one)?"""
+    if isinstance(expr, ast.Name):
+        return expr.id in tracked
+    if isinstance(expr, (ast.Tuple, ast.List, ast.Starred)):
+        return any(_holds(element, tracked) for element in ast.iter_child_nodes(expr) if isinstance(element, ast.expr))
+    if isinstance(expr, ast.Subscript):
+        return _holds(expr.value, tracked)
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
+        return expr.func.attr in vocabulary.PURE_METHODS - vocabulary.METADATA_METHODS and _holds(
+            expr.func.value, tracked
+        )
+    if isinstance(expr, ast.IfExp):
+        return _holds(expr.body, tracked) or _holds(expr.orelse, tracked)
+    return False
+
+
+def needs_contiguous(funcdef: ast.FunctionDef, temp: str, tracked: set[str], inputs: set[str]) -> bool:
+    """Does the layout of the piece `temp` (possible aliases `tracked`) show: an unproven `.view` or a layout read?"""
+    direct = _direct_names(funcdef, temp)
+    parent_of = parents(funcdef)
+    for node in ast.walk(funcdef):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        receiver = node.func.value
+        if _kept_or_piece(receiver, direct) and node.func.attr == "view":
+            # `(k_proj_out if self.qkv_proj is not None else self.k_proj(x)).view(s)`: the piece or a kept
+            # projection's own (contiguous) output
+            if not _keeps_leading_dims(funcdef, node, inputs):
+                return True
+            continue
+        if not (isinstance(receiver, ast.Name) and receiver.id in tracked):
+            if node.func.attr in LAYOUT_METHODS | {"view"} and _holds(receiver, tracked):
+                return True  # a view or layout read of something made from the piece
+            continue
+        if node.func.attr in LAYOUT_METHODS:
+            return True
+        if node.func.attr == "view" and not (
+            _reaches_as_piece(funcdef, receiver, direct, parent_of) and _keeps_leading_dims(funcdef, node, inputs)
+        ):
+            return True
+    return False
+
+
+def _kept_or_piece(expr: ast.expr, direct: set[str]) -> bool:
+    """Is `expr` a conditional whose branches are the piece (a name of `direct`) or a projection's own call?"""
+    if not isinstance(expr, ast.IfExp):
+        return False
+    branches = (expr.body, expr.orelse)
+    return all(
+        (isinstance(b, ast.Name) and b.id in direct) or (isinstance(b, ast.Call) and self_attr(b.func))
+        for b in branches
+    ) and any(isinstance(b, ast.Name) for b in branches)
+
+
+def _reaches_as_piece(funcdef: ast.FunctionDef, read: ast.Name, direct: set[str], parent_of: dict) -> bool:
+    """Is the name `read` sure to hold the piece itself where it is read? Either every binding of it is (`direct`),
+    or, with neither the read nor any binding of the name in a loop or nested scope, every binding on an earlier
+    line is a plain name of `direct` (`value_states = v_proj_out`, rebound only after the read)."""
+    if read.id in direct:
+        return True
+    if enclosing_loop_or_scope(funcdef, read, parent_of) is not None:
+        return False
+    earlier = []
+    for node in ast.walk(funcdef):
+        if isinstance(node, ast.Name) and node.id == read.id and isinstance(node.ctx, (ast.Store, ast.Del)):
+            if enclosing_loop_or_scope(funcdef, node, parent_of) is not None:
+                return False
+            if node.lineno < read.lineno:
+                earlier.append(node)
+    if not earlier:
+        return False
+    for node in earlier:
+        assign = parent_of.get(node)
+        plain = isinstance(assign, ast.Assign) and assign.targets == [node] and isinstance(assign.value, ast.Name)
+        if not (plain and assign.value.id in direct):
+            return False
+    return True
+
+
+def _direct_names(funcdef: ast.FunctionDef, temp: str) -> set[str]:
+    """`temp` and the names every binding of which is a plain name already in the set (`q = q_proj_out`)."""
+    values: dict[str, list[ast.expr]] = {}
+    for targets, value in dataflow.bindings(funcdef):
+        for target in targets:
+            for name in dataflow.bound_names(target):
+                values.setdefault(name, []).append(value if isinstance(target, ast.Name) else None)
+    direct = {temp}
+    changed = True
+    while changed:
+        changed = False
+        for name, bound in values.items():
+            if name not in direct and all(isinstance(v, ast.Name) and v.id in direct for v in bound):
+                direct.add(name)
+                changed = True
+    return direct
+
+
+def _keeps_leading_dims(funcdef: ast.FunctionDef, view: ast.Call, inputs: set[str]) -> bool:
+    """Is `view`'s shape proven to begin with every leading dim of the projection input (so it only splits the last
+    dim of a piece, which a split view allows)?
+
+    Two spellings: `*s` with `s` the input's `shape[:-1]` / `size()[:-1]` (directly or through a name bound once to
+    it), and the names bound once by unpacking the input's `shape` / `size()`, all but the last, in order."""
+    shape = list(view.args)
+    if len(shape) == 1 and isinstance(shape[0], ast.Name):
+        bound = _single_binding(funcdef, shape[0].id)
+        if isinstance(bound, ast.Tuple):
+            shape = list(bound.elts)
+    if not shape:
+        return False
+    first = shape[0]
+    if isinstance(first, ast.Starred):
+        value = first.value
+        if isinstance(value, ast.Name):
+            value = _single_binding(funcdef, value.id)
+        return value is not None and _leading_of_input(value, inputs)
+    unpacked = _unpacked_dims(funcdef, inputs)
+    if unpacked is None:
+        return False
+    leading = unpacked[:-1]
+    given = shape[: len(leading)]
+    return len(given) == len(leading) and all(
+        isinstance(element, ast.Name) and element.id == name for element, name in zip(given, leading)
+    )
+
+
+def _single_binding(funcdef: ast.FunctionDef, name: str) -> ast.expr | None:
+    """The value of the one plain assignment to `name` in `funcdef` (None if bound otherwise or more than once)."""
+    found = [
+        value
+        for targets, value in dataflow.bindings(funcdef)
+        for target in targets
+        if name in dataflow.bound_names(target)
+    ]
+    if len(found) != 1:
+        return None
+    return found[0]
+
+
+def _shape_of_input(expr: ast.expr, inputs: set[str]) -> bool:
+    """Is `expr` `x.shape` or `x.size()` for an input name `x`?"""
+    if isinstance(expr, ast.Attribute) and expr.attr == "shape":
+        return isinstance(expr.value, ast.Name) and expr.value.id in inputs
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "size":
+        return not expr.args and isinstance(expr.func.value, ast.Name) and expr.func.value.id in inputs
+    return False
+
+
+def _leading_of_input(expr: ast.expr, inputs: set[str]) -> bool:
+    """Is `expr` `x.shape[:-1]` or `x.size()[:-1]`?"""
+    if not (isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Slice)):
+        return False
+    bounds = expr.slice
+    minus_one = isinstance(bounds.upper, ast.UnaryOp) and isinstance(bounds.upper.op, ast.USub)
+    minus_one = minus_one and isinstance(bounds.upper.operand, ast.Constant) and bounds.upper.operand.value == 1
+    return bounds.lower is None and bounds.step is None and minus_one and _shape_of_input(expr.value, inputs)
+
+
+def _unpacked_dims(funcdef: ast.FunctionDef, inputs: set[str]) -> list[str] | None:
+    """The names of `a, b, c = x.shape` (or `x.size()`), if the forward unpacks an input's shape so, each bound once."""
+    for targets, value in dataflow.bindings(funcdef):
+        for target in targets:
+            if isinstance(target, ast.Tuple) and _shape_of_input(value, inputs):
+                names = [element.id if isinstance(element, ast.Name) else None for element in target.elts]
+                if None not in names and all(_single_binding(funcdef, n) is value for n in names[:-1]):
+                    return names
+    return None

@@ -1,0 +1,743 @@
+"""The rules that keep the merged call in the world of every piece: context, caller-side aliasing, identity.
+
+`hoist.check_input_stable` shows that nothing between the projections writes the input through a name the
+forward binds from it. Three more things can change what a later projection computes, and these rules refuse
+them (each an allowlist; a false alarm costs a fusion, a miss returns wrong numbers):
+
+* **Ambient state** (`ambient-context`). Grad mode, autocast, saved-tensor hooks and torch function/dispatch modes
+  are thread-local: a projection inside a `with` that the region opens, or after a call that switches such state,
+  runs under another state than the merged call, which runs before the region. A projection may sit inside a
+  `with` of the region only if every item is known not to change numerics or autograd (`HARMLESS_CONTEXTS`); a
+  `with` of the region holding no projection must be one torch documents as restoring what it changed on exit
+  (`RESTORING_CONTEXTS`); and no call in the region may switch state (`STATE_CALLS`), whatever it is handed.
+* **Aliasing made by the caller** (`caller-alias`, `region-call`). The caller can hand the input under another
+  name: a second parameter, an item of a container, `*args`/`**kwargs`, an attribute of `self` set by a hook, a
+  global registry or a closure cell. So in the region every write (in-place method, `out=`, item store,
+  augmented assignment, in-place `operator` function, `inplace=`) must target proven fresh local storage
+  (`fresh_names`: every binding of the name is an allocation, a linear's output, or a view of those), and every
+  call must be proven not to write anything (`region-call`): allowlisted torch and tensor code, a submodule (judged
+  by the input-stability rules), or a module-level Python function whose bytecode, followed through the functions
+  it names, stores nothing and calls nothing in place (`effect_free`).
+* **Projection identity** (`projection-identity`). After fusion the projections exist only as the merged linear,
+  so `forward` may reach them only as the spelled `self.<proj>`: never through `_modules`, a computed
+  `getattr`/`setattr`, `attrgetter`, `get_submodule`, `parameters()`/`children()`/`state_dict()`, a property of
+  the class, a callee handed `self` (in the region; elsewhere one whose code names a projection), or a module hook
+  registered in forward.
+
+Besides, `argument-write` refuses torch functions that write an argument though their name has no underscore:
+`F.embedding`/`F.embedding_bag` with `max_norm` (they renormalise the weight rows they read) and
+`F.batch_norm`/`F.instance_norm` given running statistics outside `training=False` (they update them).
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import dis
+import inspect
+import itertools
+import math
+import operator
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusegen.core import vocabulary
+from fusegen.core.astutil import parents, self_attr
+from fusegen.core.plan import Refused
+from fusegen.fusions.merged import dataflow, lookup
+
+
+def _contexts(*dotted: str) -> tuple:
+    """The objects named by `dotted` that this torch has (older or newer releases lack some)."""
+    found = []
+    for name in dotted:
+        obj: object = {"torch": torch, "contextlib": contextlib}[name.split(".")[0]]
+        for part in name.split(".")[1:]:
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            found.append(obj)
+    return tuple(found)
+
+
+HARMLESS_CONTEXTS = _contexts(
+    "torch.profiler.record_function", "torch.autograd.profiler.record_function", "contextlib.nullcontext"
+)
+"""Context managers that change neither numerics nor autograd: a projection may run inside one the region opens
+(a profiler label; `nullcontext`)."""
+
+RESTORING_CONTEXTS = HARMLESS_CONTEXTS + _contexts(
+    "torch.no_grad", "torch.enable_grad", "torch.inference_mode", "torch.set_grad_enabled", "torch.autocast",
+    "torch.amp.autocast", "torch.cpu.amp.autocast", "torch.autograd.graph.saved_tensors_hooks",
+    "torch.autograd.graph.save_on_cpu", "torch.random.fork_rng",
+)  # fmt: skip
+"""Torch context managers that restore on exit the state they changed on entry: a `with` of the region that holds
+no projection leaves the ambient state of the later projections as it found it."""
+
+STATE_CALLS = frozenset(
+    {"set_grad_enabled", "_set_grad_enabled", "set_autocast_enabled", "set_autocast_dtype", "set_autocast_gpu_dtype",
+     "set_autocast_cpu_dtype", "set_autocast_cpu_enabled", "set_autocast_cache_enabled", "__enter__", "__exit__",
+     "enter_context", "enter_async_context", "push", "callback", "set_default_dtype", "set_default_device",
+     "set_default_tensor_type", "manual_seed", "seed", "set_rng_state", "use_deterministic_algorithms",
+     "set_float32_matmul_precision", "set_flush_denormal", "set_num_threads", "register_module_forward_hook",
+     "register_module_forward_pre_hook", "register_module_full_backward_hook", "register_module_backward_hook",
+     "register_module_full_backward_pre_hook", "register_module_buffer_registration_hook",
+     "register_module_module_registration_hook", "register_module_parameter_registration_hook",
+     "_enable_torch_function", "_disable_torch_function", "_push_mode", "_pop_mode", "_set_torch_function_mode",
+     "_push_on_torch_function_stack", "_pop_torch_function_stack", "_push_on_torch_dispatch_stack",
+     "_pop_torch_dispatch_stack", "set_inference_mode", "_set_multithreading_enabled"}
+)  # fmt: skip
+"""Names of calls that change thread-local or global state a projection runs under (grad mode, autocast, modes,
+saved-tensor hooks, global module hooks, default dtype, RNG): refused in the region whatever their receiver."""
+
+QUERY_TORCH = frozenset(
+    {"is_grad_enabled", "is_inference_mode_enabled", "is_autocast_enabled", "get_autocast_dtype",
+     "get_autocast_gpu_dtype", "get_autocast_cpu_dtype", "is_tensor", "is_floating_point", "is_complex", "numel",
+     "finfo", "iinfo", "get_default_dtype", "result_type", "promote_types", "is_storage", "Size", "device", "dtype"}
+)  # fmt: skip
+"""Functions and types of the `torch` namespace that read state or build metadata and write nothing."""
+
+DICT_METHODS = frozenset({"get", "keys", "values", "items", "copy", "__contains__", "__getitem__", "__len__"})
+"""Methods of the `**kwargs` dict that read it."""
+
+SELF_REFLECTION = frozenset(
+    {"get_submodule", "get_parameter", "get_buffer", "parameters", "named_parameters", "buffers", "named_buffers",
+     "children", "named_children", "modules", "named_modules", "state_dict", "apply", "register_forward_hook",
+     "register_forward_pre_hook", "register_full_backward_hook", "register_full_backward_pre_hook",
+     "register_backward_hook", "register_module", "add_module", "register_parameter", "register_buffer",
+     "__getattr__", "__setattr__", "__delattr__", "_apply", "to_empty", "load_state_dict", "_modules",
+     "_parameters", "_buffers", "__dict__", "_named_members"}
+)  # fmt: skip
+"""Ways to reach a module's children or parameters, or to hook them, without spelling `self.<name>`."""
+
+
+def region_findings(
+    funcdef: ast.FunctionDef,
+    region: list[ast.stmt],
+    tracked: set[str],
+    names: set[str],
+    module: nn.Module,
+    namespace: dict,
+    projection_calls: list[ast.Call],
+):
+    """Every finding of this module's rules against fusing `projection_calls` over `region` (a generator)."""
+    projections = {call.func.attr for call in projection_calls if self_attr(call.func)}
+    local = dataflow.local_names(funcdef)
+    fresh = fresh_names(funcdef, module, namespace, tracked)
+    trusted = transformers_typed(funcdef, namespace)
+    parent_of = parents(funcdef)
+    skip = {id(call) for call in projection_calls}
+    return itertools.chain(
+        check_context(funcdef, region, projection_calls, namespace, local),
+        check_projection_identity(funcdef, region, projections, module, namespace, local),
+        check_argument_writes(region, fresh, module, namespace, local),
+        check_caller_writes(region, fresh, names, module, namespace, local, trusted, parent_of),
+        check_region_calls(funcdef, region, tracked, fresh, module, namespace, local, skip, trusted, parent_of),
+    )
+
+
+# --- 1. ambient state --------------------------------------------------------------------------------------------
+
+
+def check_context(funcdef, region, projection_calls, namespace, local):
+    """Refuse (`ambient-context`) a projection inside a `with` the region opens unless every item is harmless, a
+    `with` of the region whose items are not known to restore what they change, and a state-switching call."""
+    parent_of = parents(funcdef)
+    inside = {id(node) for node in dataflow.region_nodes(region)}
+    holding: set[int] = set()
+    for call in projection_calls:
+        node = parent_of.get(call)
+        while node is not None and id(node) in inside:
+            if isinstance(node, (ast.With, ast.AsyncWith)):
+                holding.add(id(node))
+                for item in node.items:
+                    if _context_of(item.context_expr, namespace, local) not in HARMLESS_CONTEXTS:
+                        yield Refused(
+                            "ambient-context",
+                            f"`{ast.unparse(call)}` runs under `with {ast.unparse(item)}`, the merged call before it",
+                            call,
+                        )
+            node = parent_of.get(node)
+    for node in dataflow.region_nodes(region):
+        if isinstance(node, (ast.With, ast.AsyncWith)) and id(node) not in holding:
+            for item in node.items:
+                if _context_of(item.context_expr, namespace, local) not in RESTORING_CONTEXTS:
+                    yield Refused(
+                        "ambient-context",
+                        f"`with {ast.unparse(item)}` may change state it does not restore before the next projection",
+                        node,
+                    )
+        if isinstance(node, ast.Call) and lookup.call_name(node) in STATE_CALLS:
+            yield Refused(
+                "ambient-context", f"`{ast.unparse(node)}` may switch the state the later projections run under", node
+            )
+
+
+def _context_of(expr: ast.expr, namespace: dict, local: set[str]) -> object:
+    """The context manager class or function `expr` calls (`torch.no_grad()` -> `torch.no_grad`), else None."""
+    if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):
+        resolved = lookup.resolve(expr.func, namespace, local)
+        return None if resolved is lookup.UNRESOLVED else resolved
+    return None
+
+
+# --- 2. caller-side aliasing --------------------------------------------------------------------------------------
+
+
+def fresh_names(funcdef: ast.FunctionDef, module: nn.Module, namespace: dict, tracked: set[str]) -> set[str]:
+    """Local names that can only hold new storage this forward made: every binding of the name (anywhere, so
+    flow-insensitively) is an allocation (`torch.empty_like(x)`, `x.new_zeros(n)`, `.clone()`), a plain linear's
+    output, a constant, or a view, item or arithmetic result of such names. Never a parameter, a `global` or
+    `nonlocal` name, or a name bound by `for`, `with`, `match` or a walrus from anything else."""
+    parameters = {arg.arg for arg in ast.walk(funcdef.args) if isinstance(arg, ast.arg)}
+    declared = {n for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+    augmented = {id(node.value) for node in ast.walk(funcdef) if isinstance(node, ast.AugAssign)}
+    bindings: dict[str, list[ast.expr | None]] = {}
+    for targets, value in dataflow.bindings(funcdef):
+        if id(value) in augmented:
+            continue  # `acc += x` writes into what `acc` holds (judged as a write), it binds no new storage
+        for target in targets:
+            plain = isinstance(target, ast.Name)
+            for name in dataflow.bound_names(target):
+                bindings.setdefault(name, []).append(value if plain else None)
+    for node in ast.walk(funcdef):
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.withitem, ast.comprehension)):
+            target = node.target if not isinstance(node, ast.withitem) else node.optional_vars
+            for name in dataflow.bound_names(target) if target is not None else ():
+                bindings.setdefault(name, []).append(None)
+    candidates = set(bindings) - parameters - declared - {"self"}
+    fresh = set(candidates)
+    changed = True
+    while changed:
+        changed = False
+        for name in sorted(fresh):
+            if not all(value is not None and _fresh_expr(value, fresh, tracked, module, namespace)
+                       for value in bindings[name]):  # fmt: skip
+                fresh.discard(name)
+                changed = True
+    return fresh
+
+
+def _fresh_expr(expr: ast.expr, fresh: set[str], tracked: set[str], module, namespace) -> bool:
+    """Is `expr` new storage (or a view of new storage), given the names in `fresh` are?"""
+    if isinstance(expr, ast.Constant):
+        return True
+    if isinstance(expr, ast.Name):
+        return expr.id in fresh
+    if isinstance(expr, ast.Subscript):
+        return _fresh_expr(expr.value, fresh, tracked, module, namespace)
+    if isinstance(expr, ast.BinOp):
+        # arithmetic on a tensor returns a new tensor; the operands must be tensors, not user objects
+        return all(_tensor_operand(side, fresh, tracked, module, namespace) for side in (expr.left, expr.right))
+    if isinstance(expr, ast.Call):
+        if dataflow.linear_output(expr, module):
+            return True
+        func = expr.func
+        if isinstance(func, ast.Attribute) and func.attr in vocabulary.FRESH_METHODS:
+            return _tensor_operand(func.value, fresh, tracked, module, namespace)
+        if isinstance(func, ast.Attribute) and func.attr in vocabulary.PURE_METHODS - vocabulary.METADATA_METHODS:
+            return _fresh_expr(func.value, fresh, tracked, module, namespace)  # a view (or copy) of new storage
+        resolved = lookup.resolve(func, namespace) if isinstance(func, (ast.Name, ast.Attribute)) else None
+        name = getattr(resolved, "__name__", None)
+        return name in vocabulary.FRESH_TORCH and getattr(torch, name, None) is resolved
+    return False
+
+
+def _tensor_operand(expr: ast.expr, fresh: set[str], tracked: set[str], module, namespace) -> bool:
+    """Is `expr` a tensor or a number: a constant, new storage, an alias of the input, or a linear's output?"""
+    if isinstance(expr, ast.Name) and expr.id in tracked:
+        return True
+    if isinstance(expr, ast.Attribute) and expr.attr in vocabulary.METADATA_ATTRS:
+        return True
+    return _fresh_expr(expr, fresh, tracked, module, namespace) or dataflow.linear_output(expr, module)
+
+
+def _root(expr: ast.expr) -> ast.expr:
+    """The object a write through `expr` lands in: `y[0].data` -> `y`, `q.view(-1)` -> `q`, `self.kept` -> itself."""
+    while True:
+        if isinstance(expr, ast.Subscript) or isinstance(expr, ast.Attribute) and not self_attr(expr):
+            expr = expr.value
+        elif (
+            isinstance(expr, ast.Call)
+            and isinstance(expr.func, ast.Attribute)
+            and expr.func.attr in vocabulary.PURE_METHODS
+            and not self_attr(expr.func)
+        ):
+            expr = expr.func.value
+        else:
+            return expr
+
+
+def _fresh_target(expr: ast.expr, fresh: set[str]) -> bool:
+    root = _root(expr)
+    return isinstance(root, ast.Name) and root.id in fresh
+
+
+def _rooted_in(expr: ast.expr, names: set[str]) -> bool:
+    root = _root(expr)
+    return isinstance(root, ast.Name) and root.id in names
+
+
+def _narrowed(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) -> bool:
+    """Is `node` in the body of an `if` whose test requires `isinstance(p, C)` (a conjunct), `p` the name `expr` is
+    rooted at and `C` a Transformers class that is not a tensor (`if cache is not None and isinstance(cache,
+    EncoderDecoderCache):`)? Then `p` is such an object there, trusted as `transformers_typed` parameters are."""
+    root = _root(expr)
+    if not isinstance(root, ast.Name):
+        return False
+    child, current = node, parent_of.get(node)
+    while current is not None:
+        if isinstance(current, ast.If) and any(child is stmt for stmt in current.body):
+            tests = current.test.values if isinstance(current.test, ast.BoolOp) and isinstance(
+                current.test.op, ast.And) else [current.test]  # fmt: skip
+            for test in tests:
+                is_check = (
+                    isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance"
+                )
+                if is_check and len(test.args) == 2 and isinstance(test.args[0], ast.Name):
+                    cls = lookup.resolve(test.args[1], namespace)
+                    if test.args[0].id == root.id and _transformers_class(cls):
+                        return True
+        child, current = current, parent_of.get(current)
+    return False
+
+
+def _transformers_class(cls: object) -> bool:
+    return (
+        isinstance(cls, type)
+        and (cls.__module__ or "").startswith("transformers.")
+        and not issubclass(cls, torch.Tensor)
+    )
+
+
+def check_caller_writes(region, fresh, names, module, namespace, local, trusted, parent_of):
+    """Refuse (`caller-alias`) a write in the region into anything not proven fresh local storage: a parameter, an
+    item of a container, `*args`/`**kwargs`, an attribute of `self`, a global may all be the caller's alias of the
+    input. (The writes the input-stability rules see through the input's own aliases are theirs.)"""
+    for node in dataflow.region_nodes(region):
+        target = None
+        if isinstance(node, ast.AugAssign):
+            if isinstance(node.target, ast.Name) and node.target.id in names:
+                continue  # rebinding the input itself is `input-rebound`'s
+            target = node.target
+        elif isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                continue  # rebinding a module attribute writes no tensor (what it held is judged by `state-source`)
+            target = node.value
+        elif isinstance(node, ast.Call):
+            target = _written_operand(node, namespace, local)
+        if target is None or _fresh_target(target, fresh) or _rooted_in(target, trusted):
+            continue
+        if not _narrowed(node, target, parent_of, namespace):
+            yield Refused(
+                "caller-alias",
+                f"`{ast.unparse(node).strip()}` writes `{ast.unparse(target)}`, which the caller may have made an "
+                "alias of the projection input",
+                node,
+            )
+
+
+def _written_operand(call: ast.Call, namespace: dict, local: set[str]) -> ast.expr | None:
+    """The operand `call` writes in place, if it is a write: the receiver of an in-place method or dunder, the
+    `out=` destination, the first operand of an in-place torch or `operator` function or of `inplace=` not False."""
+    for keyword in call.keywords:
+        if keyword.arg == "out":
+            return keyword.value
+    func = call.func
+    name = lookup.call_name(call)
+    in_place = (name.endswith("_") and not name.endswith("__")) or name in vocabulary.INPLACE_DUNDERS
+    if isinstance(func, ast.Attribute) and in_place:
+        resolved = lookup.resolve(func, namespace, local)
+        if resolved is lookup.UNRESOLVED:  # a method: it writes its receiver
+            return func.value
+    operator_write = name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand",
+                              "ior", "ixor", "ilshift", "irshift", "iconcat", "setitem", "delitem")  # fmt: skip
+    flagged = any(
+        k.arg == "inplace" and not (isinstance(k.value, ast.Constant) and k.value.value is False)
+        for k in call.keywords
+    )
+    if (in_place or operator_write or flagged) and call.args:
+        return call.args[0]
+    return None
+
+
+def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local, skip, trusted, parent_of):
+    """Refuse (`region-call`) a call in the region not proven to write nothing, whether or not it is handed an
+    alias: the caller may have put the input where the callee reaches it (a cache object, a registry, a cell)."""
+    tensors = tensor_names(funcdef, tracked, fresh, module, namespace, trusted)
+    kwargs = funcdef.args.kwarg.arg if funcdef.args.kwarg else None
+    parameters = {arg.arg for arg in ast.walk(funcdef.args) if isinstance(arg, ast.arg)}
+    entered = {  # the context managers a `with` of the region enters: judged by `check_context`
+        id(node.context_expr)
+        for node in dataflow.region_nodes(region)
+        if isinstance(node, ast.withitem) and _context_of(node.context_expr, namespace, local) in RESTORING_CONTEXTS
+    }
+    for call in (node for node in dataflow.region_nodes(region) if isinstance(node, ast.Call)):
+        if id(call) in skip or id(call) in entered:
+            continue
+        if isinstance(call.func, ast.Attribute) and (
+            _rooted_in(call.func.value, trusted) or _narrowed(call, call.func.value, parent_of, namespace)
+        ):
+            continue  # a method of a Transformers object handed in (a cache): `transformers_typed`
+        reason = _unproven_call(call, tensors, kwargs, module, namespace, local, trusted, parameters)
+        if reason:
+            yield Refused("region-call", f"`{ast.unparse(call)}` {reason}", call)
+
+
+def tensor_names(funcdef, tracked, fresh, module, namespace, trusted=frozenset()) -> set[str]:
+    """Local names that can only hold tensors (or tuples of them, or numbers): the input's aliases (a tensor's views),
+    fresh storage, parameters annotated as tensors (what they hold is the caller's, trusted to match), and local
+    names every binding of which is trusted tensor code applied to such names (`_tensor_expr`). A greatest fixpoint,
+    so `g = g.reshape(s)` keeps `g` a tensor: every value ever bound to such a name is a tensor, by induction over
+    the bindings run (each reads only names bound before it). What a Transformers object handed in holds
+    (`key, value = shared_kv_states[kind]`) counts as tensors (`transformers_typed`, in `trusted`)."""
+    names = set(tracked) | set(fresh) | set(trusted)
+    parameters = {arg.arg for arg in ast.walk(funcdef.args) if isinstance(arg, ast.arg)}
+    for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs):
+        if arg.annotation is not None and "Tensor" in ast.unparse(arg.annotation):
+            names.add(arg.arg)
+    bindings: dict[str, list] = {}
+    for targets, value in dataflow.bindings(funcdef):
+        for target in targets:
+            for name in dataflow.bound_names(target):
+                bindings.setdefault(name, []).append(value)
+    candidates = {name for name in bindings if name not in parameters and name != "self"}
+    assumed = names | candidates
+    changed = True
+    while changed:
+        changed = False
+        for name in sorted(candidates & assumed - names):
+            if not all(_tensor_expr(value, assumed, module, namespace, trusted) for value in bindings[name]):
+                assumed.discard(name)
+                changed = True
+    return assumed
+
+
+def transformers_typed(funcdef: ast.FunctionDef, namespace: dict) -> set[str]:
+    """Parameters annotated with a class of Transformers that is not a tensor (`cache: Cache | None`).
+
+    Trusted like Transformers' activation modules: such an object (a cache) is not the projection input and holds
+    none of its storage, and its methods (`cache.is_updated.get(i)`, `cache.get_seq_length()`) and the bookkeeping
+    written into it (`cache.is_updated[i] = True`) touch only its own state."""
+    found = set()
+    for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs):
+        if arg.annotation is None:
+            continue
+        classes = [
+            lookup.resolve(node, namespace)
+            for node in ast.walk(arg.annotation)
+            if isinstance(node, (ast.Name, ast.Attribute))
+        ]
+        classes = [c for c in classes if isinstance(c, type)]
+        if classes and all(_transformers_class(c) for c in classes):
+            found.add(arg.arg)
+    return found
+
+
+def _tensor_expr(expr: ast.expr, tensors: set[str], module, namespace, trusted=frozenset()) -> bool:
+    """Is `expr` a tensor (or a tuple of tensors, or a number) made by trusted tensor code from `tensors`?"""
+    if isinstance(expr, ast.Constant):
+        return True
+    if isinstance(expr, ast.Name):
+        return expr.id in tensors
+    if isinstance(expr, (ast.Tuple, ast.List)):
+        return all(_tensor_expr(element, tensors, module, namespace, trusted) for element in expr.elts)
+    if isinstance(expr, ast.Subscript):
+        return _tensor_expr(expr.value, tensors, module, namespace, trusted)
+    if isinstance(expr, (ast.BinOp, ast.UnaryOp)):
+        operands = [child for child in ast.iter_child_nodes(expr) if isinstance(child, ast.expr)]
+        return all(_tensor_expr(operand, tensors, module, namespace, trusted) for operand in operands)
+    if isinstance(expr, ast.IfExp):
+        return all(_tensor_expr(side, tensors, module, namespace, trusted) for side in (expr.body, expr.orelse))
+    if self_attr(expr):
+        return isinstance(getattr(module, expr.attr, None), (int, float, bool, torch.Tensor))  # `self.scaling`
+    if isinstance(expr, ast.Attribute):
+        return expr.attr in vocabulary.METADATA_ATTRS or expr.attr in ("T", "mT", "H", "mH", "real", "imag")
+    if isinstance(expr, ast.Call):
+        func = expr.func
+        if isinstance(func, ast.Attribute) and _rooted_in(func.value, set(trusted)):
+            return True  # what a Transformers object handed in returns (`cache.update(k, v, i)`): `transformers_typed`
+        if self_attr(func):
+            return isinstance(getattr(module, func.attr, None), nn.Module)  # a submodule returns tensors (trusted)
+        method = isinstance(func, ast.Attribute) and func.attr in vocabulary.PURE_METHODS
+        if method and lookup.resolve(func, namespace) is lookup.UNRESOLVED:
+            return _tensor_expr(func.value, tensors, module, namespace, trusted)
+        resolved = lookup.resolve(func, namespace) if isinstance(func, (ast.Name, ast.Attribute)) else None
+        if isinstance(resolved, types.FunctionType) and not (resolved.__module__ or "").startswith("torch"):
+            # an effect-free function builds no object but through torch, numbers and tuples (`apply_rotary_pos_emb`)
+            return effect_free(resolved)
+        return lookup.is_functional(resolved) or lookup.is_pure_torch(resolved)
+    return False
+
+
+def _unproven_call(call: ast.Call, tensors, kwargs, module, namespace, local, trusted, parameters) -> str | None:
+    """Why `call` is not proven to leave every object the caller may alias intact, or None if it is."""
+    func = call.func
+    if self_attr(func):
+        return None  # a submodule (judged by `impure-call` when handed an alias); self methods: `state-method-call`
+    if isinstance(func, (ast.Name, ast.Attribute)):
+        resolved = lookup.resolve(func, namespace, local)
+        if resolved is not lookup.UNRESOLVED:
+            return _unproven_function(resolved)
+    if isinstance(func, ast.Attribute):
+        receiver = func.value
+        if isinstance(receiver, ast.Name) and receiver.id == kwargs and func.attr in DICT_METHODS:
+            return None
+        if _tensor_expr(receiver, tensors, module, namespace, trusted) and (
+            func.attr in vocabulary.PURE_METHODS or func.attr.endswith("_")
+        ):
+            return None  # a tensor method; what an in-place one writes is judged by `caller-alias`
+        root = _root(receiver)
+        local_value = isinstance(root, ast.Name) and root.id in local and root.id not in parameters
+        if local_value and func.attr in vocabulary.PURE_METHODS:
+            # A local bound from code this proof cannot follow (`mixed_qkv = causal_conv1d_update(...)` elsewhere in
+            # the forward) is trusted to be a tensor for tensor-method names: a known gap, see docs/analysis.md.
+            return None
+        return "calls a method of an object not known to be a tensor"
+    return "calls something not statically known"
+
+
+def _unproven_function(function: object) -> str | None:
+    """Why calling the resolved `function` may write something, or None."""
+    name = getattr(function, "__name__", "") or ""
+    if any(function is getattr(builtins, pure, None) for pure in vocabulary.PURE_BUILTINS):
+        return None
+    if function in (getattr, hasattr, isinstance):
+        return None
+    if lookup.operator_module_function(function) is not None:
+        return None if name in vocabulary.PURE_OPERATORS else "is an `operator` function that writes its operand"
+    if lookup.is_functional(function) or lookup.is_pure_torch(function):
+        return None
+    if getattr(torch, name, None) is function and (name in QUERY_TORCH or name in vocabulary.FRESH_TORCH):
+        return None
+    if getattr(math, name, None) is function:
+        return None
+    if name.endswith("_") and getattr(torch, name, None) is function:
+        return None  # `torch.relu_(t)`: what it writes is judged by `caller-alias`
+    if isinstance(function, types.FunctionType) and effect_free(function):
+        return None
+    return "may write an object the caller handed over (not on the allowlist, and not proven free of writes)"
+
+
+_WRITING_OPS = frozenset(
+    {"STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "STORE_DEREF", "DELETE_ATTR", "DELETE_SUBSCR", "DELETE_GLOBAL",
+     "DELETE_DEREF", "STORE_SLICE", "IMPORT_NAME"}
+)  # fmt: skip
+
+
+def effect_free(function: types.FunctionType, seen: set | None = None) -> bool:
+    """Does `function` provably write nothing outside its own frame and switch no state?
+
+    Judged on its bytecode (nested code included): no attribute, item, slice, global or cell store; no name that
+    ends in `_` (an in-place method or torch function), an in-place dunder or `operator` function, a
+    state-switching call (`STATE_CALLS`) or a reflection name; every global it reads is a module of torch, `math`
+    or `operator`, a builtin on the pure list, a constant, or a Python function that is itself effect-free
+    (followed, at most 50 deep). Torch's own functions are not followed; the names the code reaches them by are
+    judged. A false alarm costs a fusion."""
+    seen = set() if seen is None else seen
+    if function in seen:
+        return True
+    if len(seen) > 50 or (function.__module__ or "").startswith("torch"):
+        return len(seen) <= 50
+    seen.add(function)
+    bad_names = STATE_CALLS | vocabulary.INPLACE_DUNDERS | vocabulary.REFLECTION_NAMES | vocabulary.FRAME_ATTRS
+    writes_operand = {"iadd", "isub", "imul", "itruediv", "setitem", "delitem", "inplace", "out"}
+    for code in _codes(function.__code__):
+        if code.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE):
+            return False
+        for instruction in dis.get_instructions(code):
+            if instruction.opname in _WRITING_OPS:
+                return False
+        for name in (*code.co_names, *code.co_varnames):
+            if (name.endswith("_") and not name.endswith("__")) or name in bad_names or name in writes_operand:
+                return False
+    loaded = {
+        instruction.argval
+        for code in _codes(function.__code__)
+        for instruction in dis.get_instructions(code)
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
+    for name in loaded:  # the globals and builtins the code reads (attribute names are judged above)
+        if name in function.__globals__:
+            value = function.__globals__[name]
+        elif hasattr(builtins, name):
+            value = getattr(builtins, name)
+            if not (name in vocabulary.PURE_BUILTINS or value in (getattr, hasattr, isinstance)):
+                return False
+            continue
+        else:
+            return False  # a name neither global nor builtin: it raises, or is injected later
+        if inspect.ismodule(value):
+            if value.__name__.split(".")[0] not in ("torch", "math", "operator", "typing"):
+                return False
+        elif isinstance(value, types.FunctionType):
+            if not effect_free(value, seen):
+                return False
+        elif callable(value) and not isinstance(value, type):
+            if not (lookup.is_functional(value) or lookup.is_pure_torch(value)):
+                return False
+        elif isinstance(value, type) and not issubclass(value, (torch.Tensor, int, float, tuple, str, bool)):
+            return False
+        elif not callable(value) and not isinstance(value, (int, float, str, bool, type(None), tuple, frozenset)):
+            return False  # a global object: the function may read a registry the caller filled
+    return True
+
+
+def _codes(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def _codes_names(code: types.CodeType) -> set[str]:
+    return {name for inner in _codes(code) for name in inner.co_names}
+
+
+# --- 3. projection identity ----------------------------------------------------------------------------------------
+
+
+def check_projection_identity(funcdef, region, projections, module, namespace, local):
+    """Refuse (`projection-identity`) any way `forward` can reach the projections or their parameters other than
+    the spelled `self.<proj>`: after fusion they exist only as the merged linear, so such code fails or sees one
+    linear where there were several."""
+    inside = {id(node) for node in dataflow.region_nodes(region)}
+    cls = type(module)
+    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if node.attr in SELF_REFLECTION:
+                yield Refused("projection-identity", f"`{ast.unparse(node)}` reaches the module's children", node)
+            elif _side_door(inspect.getattr_static(cls, node.attr, None), projections):
+                yield Refused(
+                    "projection-identity", f"`{ast.unparse(node)}` is a property that may reach a projection", node
+                )
+        if not isinstance(node, ast.Call):
+            continue
+        resolved = (
+            lookup.resolve(node.func, namespace, local) if isinstance(node.func, (ast.Name, ast.Attribute)) else None
+        )
+        if resolved in (getattr, setattr, delattr, hasattr) and node.args and _is_self(node.args[0]):
+            name = node.args[1] if len(node.args) > 1 else None
+            constant = isinstance(name, ast.Constant) and isinstance(name.value, str)
+            if not constant or name.value in projections or name.value in SELF_REFLECTION:
+                yield Refused(
+                    "projection-identity", f"`{ast.unparse(node)}` reaches an attribute of the module by name", node
+                )
+            elif resolved is not setattr and not _side_door(
+                inspect.getattr_static(cls, name.value, None), projections
+            ):
+                continue  # `getattr(self, "flag")`: the spelled attribute, judged as `self.flag` would be
+        elif resolved in (operator.attrgetter, operator.methodcaller):
+            yield Refused("projection-identity", f"`{ast.unparse(node)}` reaches attributes by name", node)
+        elif lookup.call_name(node) in STATE_CALLS and "hook" in lookup.call_name(node):
+            yield Refused(
+                "projection-identity", f"`{ast.unparse(node)}` hooks every module call, the linears' too", node
+            )
+        handed_self = any(_is_self(arg) for arg in [*node.args, *(k.value for k in node.keywords)])
+        if handed_self and not (isinstance(node.func, ast.Name) and node.func.id == "super"):
+            if id(node) in inside:
+                yield Refused("projection-identity", f"`{ast.unparse(node)}` hands the module to a callee", node)
+            elif isinstance(resolved, types.FunctionType) and _names_projection(resolved, projections, set()):
+                yield Refused(
+                    "projection-identity", f"`{ast.unparse(node)}` hands the module to code that names a projection",
+                    node,
+                )  # fmt: skip
+
+
+def _is_self(expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Name) and expr.id == "self"
+
+
+def _side_door(attribute: object, projections: set[str]) -> bool:
+    """Is a class attribute a descriptor whose code may reach a projection or write (a property, say)?"""
+    if attribute is None or isinstance(attribute, (types.FunctionType, staticmethod, classmethod, int, float, str,
+                                                   bool, type(None), tuple, frozenset, torch.dtype)):  # fmt: skip
+        return False
+    getter = getattr(attribute, "fget", None) or getattr(type(attribute), "__get__", None)
+    if getter is None:
+        return False
+    if isinstance(getter, types.FunctionType):
+        return _names_projection(getter, projections, set()) or not effect_free(getter)
+    return True  # a descriptor implemented in C or unknown
+
+
+def _names_projection(function: types.FunctionType, projections: set[str], seen: set) -> bool:
+    """Does `function`'s code (or a module-level function it names) name a projection or a reflective accessor?"""
+    if function in seen or len(seen) > 50:
+        return False
+    seen.add(function)
+    names = _codes_names(function.__code__)
+    if names & (projections | SELF_REFLECTION | {"getattr", "setattr", "attrgetter", "vars"}):
+        return True
+    return any(
+        isinstance(value, types.FunctionType) and _names_projection(value, projections, seen)
+        for value in (function.__globals__.get(name) for name in names)
+    )
+
+
+# --- 5. argument-level writes --------------------------------------------------------------------------------------
+
+_MAX_NORM_POSITION = {F.embedding: 3, F.embedding_bag: 3}
+"""`F.embedding(input, weight, padding_idx, max_norm, ...)`, `F.embedding_bag(input, weight, offsets, max_norm, ...)`."""
+_RUNNING_STATS = {F.batch_norm: (1, 2, 5, "training"), F.instance_norm: (1, 2, 5, "use_input_stats")}
+"""Functional norms: positions of running mean and var, position and name of the flag that makes them update."""
+
+
+def check_argument_writes(region, fresh, module, namespace, local):
+    """Refuse (`argument-write`) torch calls that write an argument their name does not announce, unless what they
+    write is fresh local storage: `max_norm` renormalises the weight's rows in place; running statistics are
+    updated in place while training (or using input statistics). Submodules doing the same to their own weight or
+    buffers are refused when handed the input (which may be those)."""
+    for call in (node for node in dataflow.region_nodes(region) if isinstance(node, ast.Call)):
+        func = call.func
+        if self_attr(func):
+            child = getattr(module, func.attr, None)
+            if isinstance(child, nn.Module) and _writes_own_state(child) and (call.args or call.keywords):
+                yield Refused(
+                    "argument-write", f"`{ast.unparse(call)}` updates its own weight or buffers, which the input may be",
+                    call,
+                )  # fmt: skip
+            continue
+        if not isinstance(func, (ast.Name, ast.Attribute)):
+            continue
+        resolved = lookup.resolve(func, namespace, local)
+        if resolved in _MAX_NORM_POSITION:
+            norm = _argument(call, _MAX_NORM_POSITION[resolved], "max_norm")
+            weight = _argument(call, 1, "weight")
+            if not _none(norm) and weight is not None and not _fresh_target(weight, fresh):
+                yield Refused("argument-write", f"`{ast.unparse(call)}` renormalises `{ast.unparse(weight)}` in place",
+                              call)  # fmt: skip
+        elif resolved in _RUNNING_STATS:
+            mean_at, var_at, flag_at, flag = _RUNNING_STATS[resolved]
+            flag_value = _argument(call, flag_at, flag)
+            if flag_value is not None and isinstance(flag_value, ast.Constant) and flag_value.value is False:
+                continue
+            if resolved is F.batch_norm and flag_value is None:
+                continue  # `training` defaults to False
+            for stat in (_argument(call, mean_at, "running_mean"), _argument(call, var_at, "running_var")):
+                if not _none(stat) and not _fresh_target(stat, fresh):
+                    yield Refused("argument-write", f"`{ast.unparse(call)}` updates `{ast.unparse(stat)}` in place",
+                                  call)  # fmt: skip
+
+
+def _writes_own_state(child: nn.Module) -> bool:
+    for inner in child.modules():
+        if isinstance(inner, (nn.Embedding, nn.EmbeddingBag)) and inner.max_norm is not None:
+            return True
+        if isinstance(inner, (nn.modules.batchnorm._NormBase,)) and inner.track_running_stats:
+            return True
+    return False
+
+
+def _argument(call: ast.Call, position: int, name: str) -> ast.expr | None:
+    for keyword in call.keywords:
+        if keyword.arg == name:
+            return keyword.value
+    return call.args[position] if len(call.args) > position else None
+
+
+def _none(expr: ast.expr | None) -> bool:
+    return expr is None or (isinstance(expr, ast.Constant) and expr.value is None)
