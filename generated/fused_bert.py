@@ -103,6 +103,9 @@ class FusedBertSelfAttention(nn.Module):
 
         # get all proj
         query_out, key_out, value_out = self.qkv_proj(hidden_states).split(self.qkv_proj_sizes, dim=-1)
+        query_out = query_out.contiguous()
+        key_out = key_out.contiguous()
+        value_out = value_out.contiguous()
         query_layer = query_out.view(*hidden_shape).transpose(1, 2)
         key_layer = key_out.view(*hidden_shape).transpose(1, 2)
         value_layer = value_out.view(*hidden_shape).transpose(1, 2)

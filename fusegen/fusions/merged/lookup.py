@@ -64,3 +64,10 @@ def resolve_dotted(expr: ast.expr, namespace: dict, local: set[str] | frozenset 
             return UNRESOLVED
         return getattr(base, expr.attr, UNRESOLVED)
     return UNRESOLVED
+
+
+def call_name(call: ast.Call) -> str:
+    """The last name a call spells (`f` in `f(x)`, `mul_` in `a.b.mul_(x)`), or "" for a computed callee."""
+    if isinstance(call.func, ast.Attribute):
+        return call.func.attr
+    return call.func.id if isinstance(call.func, ast.Name) else ""

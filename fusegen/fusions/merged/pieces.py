@@ -27,7 +27,7 @@ import types
 from torch import nn
 
 from fusegen.core import vocabulary
-from fusegen.core.astutil import enclosing_loop_or_scope, parents, self_attr
+from fusegen.core.astutil import enclosing_loop_or_scope, parent_map, self_attr
 from fusegen.fusions.merged import dataflow, live, lookup, region_rules
 
 LAYOUT_METHODS = frozenset({"stride", "is_contiguous", "data_ptr", "storage_offset", "untyped_storage", "storage"})
@@ -75,7 +75,7 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
             if isinstance(child, nn.Module) and not module_effect_free(child):
                 return True
         elif isinstance(func, (ast.Name, ast.Attribute)):
-            resolved = lookup.resolve(func, namespace, local)
+            resolved = lookup.resolve_dotted(func, namespace, local)
             user = isinstance(resolved, types.FunctionType) and not (resolved.__module__ or "").startswith("torch")
             if user and not region_rules.effect_free(resolved):
                 return True
@@ -120,7 +120,7 @@ def _holds(expr: ast.expr, tracked: set[str]) -> bool:
 def needs_contiguous(funcdef: ast.FunctionDef, temp: str, tracked: set[str], inputs: set[str]) -> bool:
     """Does the layout of the piece `temp` (possible aliases `tracked`) show: an unproven `.view` or a layout read?"""
     direct = _direct_names(funcdef, temp)
-    parent_of = parents(funcdef)
+    parent_of = parent_map(funcdef)
     for node in ast.walk(funcdef):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue

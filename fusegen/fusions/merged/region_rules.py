@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusegen.core import vocabulary
-from fusegen.core.astutil import parents, self_attr
+from fusegen.core.astutil import parent_map, self_attr
 from fusegen.core.plan import Refused
 from fusegen.fusions.merged import dataflow, lookup
 
@@ -128,7 +128,7 @@ def region_findings(
     local = dataflow.local_names(funcdef)
     fresh = fresh_names(funcdef, module, namespace, tracked)
     trusted = transformers_typed(funcdef, namespace)
-    parent_of = parents(funcdef)
+    parent_of = parent_map(funcdef)
     skip = {id(call) for call in projection_calls}
     return itertools.chain(
         check_context(funcdef, region, projection_calls, namespace, local),
@@ -145,7 +145,7 @@ def region_findings(
 def check_context(funcdef, region, projection_calls, namespace, local):
     """Refuse (`ambient-context`) a projection inside a `with` the region opens unless every item is harmless, a
     `with` of the region whose items are not known to restore what they change, and a state-switching call."""
-    parent_of = parents(funcdef)
+    parent_of = parent_map(funcdef)
     inside = {id(node) for node in dataflow.region_nodes(region)}
     holding: set[int] = set()
     for call in projection_calls:
@@ -179,7 +179,7 @@ def check_context(funcdef, region, projection_calls, namespace, local):
 def _context_of(expr: ast.expr, namespace: dict, local: set[str]) -> object:
     """The context manager class or function `expr` calls (`torch.no_grad()` -> `torch.no_grad`), else None."""
     if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):
-        resolved = lookup.resolve(expr.func, namespace, local)
+        resolved = lookup.resolve_dotted(expr.func, namespace, local)
         return None if resolved is lookup.UNRESOLVED else resolved
     return None
 
@@ -240,7 +240,7 @@ def _fresh_expr(expr: ast.expr, fresh: set[str], tracked: set[str], module, name
             return _tensor_operand(func.value, fresh, tracked, module, namespace)
         if isinstance(func, ast.Attribute) and func.attr in vocabulary.PURE_METHODS - vocabulary.METADATA_METHODS:
             return _fresh_expr(func.value, fresh, tracked, module, namespace)  # a view (or copy) of new storage
-        resolved = lookup.resolve(func, namespace) if isinstance(func, (ast.Name, ast.Attribute)) else None
+        resolved = lookup.resolve_dotted(func, namespace) if isinstance(func, (ast.Name, ast.Attribute)) else None
         name = getattr(resolved, "__name__", None)
         return name in vocabulary.FRESH_TORCH and getattr(torch, name, None) is resolved
     return False
@@ -298,7 +298,7 @@ def _narrowed(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) -
                     isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance"
                 )
                 if is_check and len(test.args) == 2 and isinstance(test.args[0], ast.Name):
-                    cls = lookup.resolve(test.args[1], namespace)
+                    cls = lookup.resolve_dotted(test.args[1], namespace)
                     if test.args[0].id == root.id and _transformers_class(cls):
                         return True
         child, current = current, parent_of.get(current)
@@ -350,7 +350,7 @@ def _written_operand(call: ast.Call, namespace: dict, local: set[str]) -> ast.ex
     name = lookup.call_name(call)
     in_place = (name.endswith("_") and not name.endswith("__")) or name in vocabulary.INPLACE_DUNDERS
     if isinstance(func, ast.Attribute) and in_place:
-        resolved = lookup.resolve(func, namespace, local)
+        resolved = lookup.resolve_dotted(func, namespace, local)
         if resolved is lookup.UNRESOLVED:  # a method: it writes its receiver
             return func.value
     operator_write = name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand",
@@ -427,7 +427,7 @@ def transformers_typed(funcdef: ast.FunctionDef, namespace: dict) -> set[str]:
         if arg.annotation is None:
             continue
         classes = [
-            lookup.resolve(node, namespace)
+            lookup.resolve_dotted(node, namespace)
             for node in ast.walk(arg.annotation)
             if isinstance(node, (ast.Name, ast.Attribute))
         ]
@@ -463,9 +463,9 @@ def _tensor_expr(expr: ast.expr, tensors: set[str], module, namespace, trusted=f
         if self_attr(func):
             return isinstance(getattr(module, func.attr, None), nn.Module)  # a submodule returns tensors (trusted)
         method = isinstance(func, ast.Attribute) and func.attr in vocabulary.PURE_METHODS
-        if method and lookup.resolve(func, namespace) is lookup.UNRESOLVED:
+        if method and lookup.resolve_dotted(func, namespace) is lookup.UNRESOLVED:
             return _tensor_expr(func.value, tensors, module, namespace, trusted)
-        resolved = lookup.resolve(func, namespace) if isinstance(func, (ast.Name, ast.Attribute)) else None
+        resolved = lookup.resolve_dotted(func, namespace) if isinstance(func, (ast.Name, ast.Attribute)) else None
         if isinstance(resolved, types.FunctionType) and not (resolved.__module__ or "").startswith("torch"):
             # an effect-free function builds no object but through torch, numbers and tuples (`apply_rotary_pos_emb`)
             return effect_free(resolved)
@@ -479,7 +479,7 @@ def _unproven_call(call: ast.Call, tensors, kwargs, module, namespace, local, tr
     if self_attr(func):
         return None  # a submodule (judged by `impure-call` when handed an alias); self methods: `state-method-call`
     if isinstance(func, (ast.Name, ast.Attribute)):
-        resolved = lookup.resolve(func, namespace, local)
+        resolved = lookup.resolve_dotted(func, namespace, local)
         if resolved is not lookup.UNRESOLVED:
             return _unproven_function(resolved)
     if isinstance(func, ast.Attribute):
@@ -617,7 +617,9 @@ def check_projection_identity(funcdef, region, projections, module, namespace, l
         if not isinstance(node, ast.Call):
             continue
         resolved = (
-            lookup.resolve(node.func, namespace, local) if isinstance(node.func, (ast.Name, ast.Attribute)) else None
+            lookup.resolve_dotted(node.func, namespace, local)
+            if isinstance(node.func, (ast.Name, ast.Attribute))
+            else None
         )
         if resolved in (getattr, setattr, delattr, hasattr) and node.args and _is_self(node.args[0]):
             name = node.args[1] if len(node.args) > 1 else None
@@ -703,7 +705,7 @@ def check_argument_writes(region, fresh, module, namespace, local):
             continue
         if not isinstance(func, (ast.Name, ast.Attribute)):
             continue
-        resolved = lookup.resolve(func, namespace, local)
+        resolved = lookup.resolve_dotted(func, namespace, local)
         if resolved in _MAX_NORM_POSITION:
             norm = _argument(call, _MAX_NORM_POSITION[resolved], "max_norm")
             weight = _argument(call, 1, "weight")
