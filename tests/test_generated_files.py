@@ -115,6 +115,9 @@ def test_importing_a_generated_file_loads_no_compiler_machinery():
         "fusegen.runtime.quant",  # torch only: quantizer support, imported by checkpoint.py
         "fusegen.runtime.version",  # stdlib only: the source check at the top of every generated file
         "fusegen.runtime.streaming",
+        "fusegen.runtime.layout",  # torch only: the merged linears' row layout
+        "fusegen.runtime.quantized",  # torch only: quantized merged linears, built split and composed after loading
+        "fusegen.runtime.format_composers",  # torch only at import: compressed-tensors/FP8 composers register here
     }
 
 

@@ -608,8 +608,25 @@ PROJECTION_RULES = {"projection-hook", "global-hook", "linear-subclass", "parame
 """Rules judged on the instantiated modules, which have no source line."""
 
 
+OVER_REFUSED = {
+    "lambda_not_capturing": "region-call: a call of a local lambda is not proven write-free (its body is not read)",
+}
+"""Safe cases the analysis refuses today (docs/analysis.md, "Safe patterns still refused"); strict, so the day a rule
+learns to accept one, the test says so."""
+
+
 @pytest.mark.slow  # 30 builds, each saved, loaded and run
-@pytest.mark.parametrize("name", sorted(ALL_SAFE))
+@pytest.mark.parametrize(
+    "name",
+    [
+        (
+            pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=OVER_REFUSED[name]))
+            if name in OVER_REFUSED
+            else name
+        )
+        for name in sorted(ALL_SAFE)
+    ],
+)
 def test_safe_case_is_fused_and_computes_the_same(case_path, tmp_path, name):
     init, forward, extra, layer = ALL_SAFE[name]
     dotted = write_case(case_path, name, init, forward, TOY_HELPERS + "\n" + extra, layer)

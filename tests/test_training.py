@@ -101,7 +101,7 @@ def test_in_place_writes_on_projection_outputs_train_like_the_original(case_path
     dotted, result = build_toy(case_path, f"inplace_{spelling}", IN_PLACE_FORWARDS[spelling])
     assert result.text is not None, [r for o in result.outcomes for r in o.refused]
     (fused_plans,) = [o.fused for o in result.outcomes if o.class_name == "ToyBlock"]
-    assert {plan.merged for plan in fused_plans} == {"qkv_proj", "gate_up_proj"}
+    assert {plan.merged for plan in fused_plans} == {"qkv_proj", "gate_up_proj"}, [o.refused for o in result.outcomes]
     for piece in ("q", "k", "v"):  # read only: they keep the plain split
         assert f"{piece}_proj_out = {piece}_proj_out.clone()" not in result.text
     for piece in WRITTEN.get(spelling, ["gate"]):

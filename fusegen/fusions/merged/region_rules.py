@@ -229,6 +229,9 @@ def _fresh_expr(expr: ast.expr, fresh: set[str], tracked: set[str], module, name
         return expr.id in fresh
     if isinstance(expr, ast.Subscript):
         return _fresh_expr(expr.value, fresh, tracked, module, namespace)
+    if isinstance(expr, ast.Attribute) and expr.attr in vocabulary.METADATA_ATTRS:
+        # a tensor's shape, dtype or flags: ints, tuples and flags that share no storage with anything
+        return _tensor_operand(expr.value, fresh, tracked, module, namespace)
     if isinstance(expr, ast.BinOp):
         # arithmetic on a tensor returns a new tensor; the operands must be tensors, not user objects
         return all(_tensor_operand(side, fresh, tracked, module, namespace) for side in (expr.left, expr.right))
@@ -236,6 +239,8 @@ def _fresh_expr(expr: ast.expr, fresh: set[str], tracked: set[str], module, name
         if dataflow.linear_output(expr, module):
             return True
         func = expr.func
+        if isinstance(func, ast.Attribute) and func.attr in vocabulary.METADATA_METHODS:
+            return _tensor_operand(func.value, fresh, tracked, module, namespace)  # `x.size(0)`: an int, no storage
         if isinstance(func, ast.Attribute) and func.attr in vocabulary.FRESH_METHODS:
             return _tensor_operand(func.value, fresh, tracked, module, namespace)
         if isinstance(func, ast.Attribute) and func.attr in vocabulary.PURE_METHODS - vocabulary.METADATA_METHODS:
@@ -331,6 +336,8 @@ def check_caller_writes(region, fresh, names, module, namespace, local, trusted,
             target = _written_operand(node, namespace, local)
         if target is None or _fresh_target(target, fresh) or _rooted_in(target, trusted):
             continue
+        if _fresh_expr(_root(target), fresh, set(), module, namespace):
+            continue  # written where it is made: `self.gate_proj(x).mul_(0.5)`, `torch.zeros_like(x).add_(1)`
         if not _narrowed(node, target, parent_of, namespace):
             yield Refused(
                 "caller-alias",

@@ -299,9 +299,12 @@ def detach_written_pieces(
 
     Pieces written where the forward does not show it get the same clone: a piece stored away, returned, or
     handed to a function or submodule not proven free of writes (`pieces.needs_own_storage`). A piece whose
-    layout may show is made contiguous instead (`.contiguous()` copies a split piece, so it also has storage of
-    its own): every value is the same, its backward passes the gradient through, and a `.view` that only a
-    contiguous tensor allows (`k.view(-1)`) then works as it did on the projection's output.
+    layout may show, and that nothing writes, is made contiguous (`.contiguous()`): every value is the same, its
+    backward passes the gradient through, and a `.view` that only a contiguous tensor allows (`k.view(-1)`) then
+    works as it did on the projection's output. A written piece always gets `.clone()`, never `.contiguous()`
+    alone: a piece that is already contiguous (one row: batch 1, one token) comes back from `.contiguous()` as the
+    split's own view, which autograd refuses to write in place; `.clone()` of a split piece is dense, so
+    contiguous too.
     """
     reflective = any(
         isinstance(node, ast.Call)
@@ -314,14 +317,14 @@ def detach_written_pieces(
     for temp in temps:
         tracked = dataflow.aliases(funcdef, {temp}, module)
         views = pieces.view_names(funcdef, temp)
-        if pieces.needs_contiguous(funcdef, temp, views, set(inputs)):
-            treated.append(f"{temp} = {temp}.contiguous()")
-        elif (
+        if (
             reflective
             or _written_in_place(funcdef, tracked)
             or pieces.needs_own_storage(funcdef, views, module, namespace)
         ):
-            treated.append(f"{temp} = {temp}.clone()")
+            treated.append(f"{temp} = {temp}.clone()")  # a piece's own storage; contiguous where the split was not
+        elif pieces.needs_contiguous(funcdef, temp, views, set(inputs)):
+            treated.append(f"{temp} = {temp}.contiguous()")
     for offset, line in enumerate(treated, start=1):
         block.insert(index + offset, ast.copy_location(ast.parse(line).body[0], block[index]))
 
