@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fusegen.compiler.inputs import model_config, random_input, random_model
+from fusegen.compiler.inputs import SEED, model_config, random_input, random_model
 from fusegen.compiler.modal_inputs import forward_inputs, image_features
 from fusegen.compiler.propagate import PREFIX
 from fusegen.compiler.shrink import ShrinkError, rule_for, shrunk_config
@@ -89,7 +89,6 @@ MAX_VARIANTS = 3
 """At most this many construction variants per target besides the tiny config, to keep the build fast."""
 MAX_PROBES = 20
 """At most this many candidate fields (and tied embeddings) are built to see whether they change the model."""
-SEED = 0
 RULE = "validation-mismatch"
 
 

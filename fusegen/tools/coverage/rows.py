@@ -6,9 +6,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-SEED = 0
-
-
 BATCH, LENGTH = 2, 12
 NEW_TOKENS = 4
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fusegen.compiler.inputs import SEED
 from fusegen.compiler.modal_inputs import forward_inputs
 from fusegen.errors import first_line as _first_line
 from fusegen.errors import short_error as _short
@@ -21,7 +22,7 @@ from fusegen.testkit import (  # the one kit (fusegen/testkit.py)
     random_input,
     random_model,
 )
-from fusegen.tools.coverage.rows import BATCH, LENGTH, NEW_TOKENS, SEED, Verification
+from fusegen.tools.coverage.rows import BATCH, LENGTH, NEW_TOKENS, Verification
 
 
 @dataclass
