@@ -268,7 +268,9 @@ def _gradient_checker_max_diff(tp, single):
     from torch.distributed.tensor import DTensor
 
     worst, rank = 0.0, dist.get_rank()
-    for (name, reference), (_, parameter) in zip(single.named_parameters(), tp.named_parameters()):
+    parameters = dict(tp.named_parameters())  # paired by name: the two models may register them in another order
+    for name, reference in single.named_parameters():
+        parameter = parameters[name]
         if reference.grad is None or parameter.grad is None:
             continue
         grad, grad_tp = reference.grad, parameter.grad
