@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -556,7 +557,8 @@ def _worker(rank, world_size, port, cases, out_dir):
             try:
                 results[name] = _run_case(model_type, path, how, f"{out_dir}/{name}-saved")
             except Exception as error:  # noqa: BLE001 (recorded per case: one failure must not hide the others)
-                results[name] = {"failed": f"{type(error).__name__}: {error}"}
+                where = traceback.extract_tb(error.__traceback__)[-12:]
+                results[name] = {"failed": f"{type(error).__name__}: {error}", "where": traceback.format_list(where)}
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
@@ -649,6 +651,9 @@ def _results(launched, world_size, name):
     cases, results = launched(world_size)
     per_rank = [ranks[name] for ranks in results]
     failed = [f"rank {rank}: {result['failed']}" for rank, result in enumerate(per_rank) if "failed" in result]
+    for rank, result in enumerate(per_rank):
+        if "failed" in result:
+            print(f"rank {rank} failed at:", *result["where"], sep="\n")
     assert not failed, "; ".join(failed)  # every rank: a timeout on one rank often follows an error on another
     return cases[name], per_rank
 
