@@ -168,7 +168,7 @@ class PackedQKVKind(Kind):
     """Declares the row layout of an already packed q/k/v linear (see the module docstring)."""
 
     name = KIND
-    priority = 30
+    priority = 90
     runtime_names = frozenset({MERGED_LINEAR, ROW_LAYOUT})
     summary = "packed q/k/v linear built as a MergedColumnLinear declaring its row layout"
     rules = section_rules(
