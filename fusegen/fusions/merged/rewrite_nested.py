@@ -10,16 +10,27 @@ values, and `v_proj` only without `attention_k_eq_v`:
         self.k_proj = nn.Linear(...)
         self.v_proj = nn.Linear(...) if not self.use_alternative_attention else None
 
-becomes, at q_proj's place, one merged linear built exactly where all three existed, and each projection another
-config still builds on its own kept under its own name:
+becomes one `if` on the conditions all three exist under: its branch builds the merged linear at q_proj's place,
+the other branch each projection another config still builds, under its own name, at its own place. Both branches
+repeat the statements from q_proj to the inner `if`, in the original's order, so modules register (parameter and
+state-dict order, the random draws of their initialisation) as in the original:
 
-    self.qkv_proj = MergedColumnLinear(...) if not self.is_kv_shared_layer and not self.use_alternative_attention else None
-    self.qkv_proj_sizes = self.qkv_proj.output_sizes if self.qkv_proj is not None else None
-    self.q_proj = None if self.qkv_proj is not None else nn.Linear(...)
-    self.q_norm = ...
-    if not self.is_kv_shared_layer:
-        ...
-        self.k_proj = None if self.qkv_proj is not None else nn.Linear(...)
+    if not self.is_kv_shared_layer and not self.use_alternative_attention:
+        self.qkv_proj = MergedColumnLinear(...)
+        self.qkv_proj_sizes = self.qkv_proj.output_sizes
+        self.q_proj = None
+        self.q_norm = ...
+        if not self.is_kv_shared_layer:
+            ...
+            self.k_proj = None
+    else:
+        self.qkv_proj = None
+        self.qkv_proj_sizes = None
+        self.q_proj = nn.Linear(...)
+        self.q_norm = ...
+        if not self.is_kv_shared_layer:
+            ...
+            self.k_proj = nn.Linear(...)
 
 and in `forward` the merged call runs at q_proj's call, guarded by the merged linear's existence; a kept inner
 projection's own call stays where it was, for the configs without the merged linear:
@@ -29,7 +40,12 @@ projection's own call stays where it was, for the configs without the merged lin
     else:
         q_proj_out = self.q_proj(hidden_states)
     ...
-    key_states = (k_proj_out if self.qkv_proj is not None else self.k_proj(hidden_states)).view(hidden_shape)
+    if self.qkv_proj is not None:
+        key_states = k_proj_out.view(hidden_shape)
+        ...
+    else:
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        ...
 
 Where v_proj is absent (attention_k_eq_v layers), q and k stay two linears: a merged q+k linear would need a
 second merged name for the same checkpoint tensors (`q_proj` would load into `qkv_proj` in some layers and into
@@ -257,8 +273,11 @@ def rewrite_init_nested(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: d
 
     Soundness: the merged linear exists exactly where every projection did (the outer ones always, the inner ones
     where the `if` tests and the inner guard hold, `nested_layout`), and is built from their own expressions, which
-    mean the same there (`check_hoisted_init`); those of the inner constructors are evaluated only where the
-    original evaluated them (the conditional expression short-circuits). Where it is None, each projection the
+    mean the same there (`check_hoisted_init`); those of the inner constructors are evaluated only in the branch
+    where the original evaluated them. The conjunction is evaluated once, before the first outer projection: it is
+    pure and nothing from there to the inner `if` changes what it reads (`check_hoisted_init`'s region starts at
+    that projection), so it has the value it would have had anywhere in the region. The region's other statements
+    run once either way (one branch runs), in their order. Where the merged linear is None, each projection the
     original built there is built by its own constructor call, at its own place, under its own name. A projection
     that exists exactly where the merged linear does (an inner one under the inner guard, or every inner one when
     there is no inner guard) is not built at all.
