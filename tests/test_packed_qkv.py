@@ -19,7 +19,7 @@ from fusegen.core.plan import Refused
 from fusegen.fusions import packed_qkv
 from fusegen.runtime import load_checkpoint, save_checkpoint
 from fusegen.runtime.checkpoint import MergedColumnSplit
-from fusegen.runtime.layout import layout_of
+from fusegen.runtime.layout import RowLayout, layout_of
 from fusegen.runtime.linear import MergedColumnLinear, linear_pieces
 from fusegen.runtime.tp.packed import packed_entry
 from fusegen.testkit import (
@@ -305,3 +305,38 @@ def test_the_rewrite_builds_the_declared_layout_and_refuses_what_it_cannot_place
     with pytest.raises(Refused) as refusal:
         _rewrite(attention, renames_the_width)
     assert refusal.value.rule == "packed-source-changed"
+
+
+class _PackedOwner(nn.Module):
+    """A module holding a layout-declaring merged linear that no stacked mapping splits (this test module defines no
+    STACKED_PARAMS_MAPPING), as a generated Falcon attention holds `query_key_value`."""
+
+    def __init__(self):
+        super().__init__()
+        self.query_key_value = MergedColumnLinear(8, [8, 4, 4], bias=False, layout=RowLayout.grouped(2, [4, 2, 2]))
+
+
+def test_a_packed_linear_no_mapping_splits_is_one_tensor_to_the_loader_quantization_and_peft():
+    """`fusegen.runtime.merged.stored_packed`: fusegen's loader names it whole, quantization leaves it one linear,
+    PEFT finds no merged linear to pack (and does not refuse it); a merged linear without a declared layout and
+    without a mapping is still refused by each."""
+    from fusegen.runtime.merged import stored_packed
+    from fusegen.runtime.peft import AdapterError, merged_linears
+    from fusegen.runtime.plan import model_targets
+    from fusegen.runtime.quantized import split_merged_linears
+
+    model = _PackedOwner()
+    assert stored_packed(model.query_key_value, "query_key_value", {})
+    assert not stored_packed(model.query_key_value, "query_key_value", {"query_key_value": ("q", "k", "v")})
+    targets = model_targets(model, {}, "canonical")
+    assert targets.by_name["query_key_value.weight"].whole and targets.groups == (("query_key_value.weight",),)
+    split_merged_linears(model)
+    assert type(model.query_key_value) is MergedColumnLinear
+    assert merged_linears(model) == {}
+    model.query_key_value.row_layout = None  # now nothing says how it is stored
+    with pytest.raises(ValueError, match="not in the stacked mapping"):
+        model_targets(model, {}, "canonical")
+    with pytest.raises(ValueError, match="no stacked mapping of 3 pieces"):
+        split_merged_linears(model)
+    with pytest.raises(AdapterError, match="no STACKED_PARAMS_MAPPING names its pieces"):
+        merged_linears(model)
