@@ -42,9 +42,10 @@ Soundness of the rewrite: `MergedColumnLinear` with every piece biased is `nn.Li
 same shape and parameters; the layout changes no number, only what the runtime knows. Falcon's `FalconLinear`
 computes `input @ weight.T (+ bias)`, which `F.linear` computes as one GEMM with the bias added: the same sums
 (bit for bit in 150 of 150 random cases on the CPU this was written on, a probe, not a test); the build's
-validation and `tests/test_packed_qkv.py` hold the logits to the project tolerance. The layout expressions are evaluated at the packed constructor's place: every `self.` attribute
-they read is assigned before it and never after in `__init__`, and the names they read are not rebound
-(`packed-layout-inputs`), so they mean there what they mean on the finished module, where the tests check them.
+validation and `tests/test_packed_qkv.py` hold the logits to the project tolerance. The layout expressions are
+evaluated at the packed constructor's place: every `self.` attribute they read is assigned before it (lexically)
+and never after in `__init__`, and the names they read are not rebound (`packed-layout-inputs`), so they mean there
+what they mean on the finished module, where the tests check them.
 """
 
 from __future__ import annotations
