@@ -53,7 +53,7 @@ from torch.nn import functional as F
 
 from .layout import require_contiguous
 from .linear import sizes_attribute
-from .merged import stacked_mapping
+from .merged import stacked_mapping, stored_packed
 
 _PREFIX = "base_model.model."  # what PEFT's files and PeftModel put before the base model's names
 
@@ -117,6 +117,9 @@ def merged_linears(model: nn.Module) -> dict[str, Merged]:
             found[merged_path] = Merged(merged_path, tuple(pieces), tuple(sizes))
     for path, module in model.named_modules():
         unexplained = ".base_layer" not in f".{path}" and path not in found
+        owner, _, attribute = path.rpartition(".")
+        if unexplained and stored_packed(_base_layer(module), attribute, stacked_mapping(model.get_submodule(owner))):
+            continue  # stored packed: PEFT adapts it under its own name, as on the original class
         if unexplained and any(cls.__name__ == "MergedColumnLinear" for cls in type(_base_layer(module)).__mro__):
             raise AdapterError(
                 f"{path} is a merged linear, but no STACKED_PARAMS_MAPPING names its pieces, so no adapter can be "
