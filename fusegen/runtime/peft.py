@@ -21,8 +21,8 @@ zero-valued entry at zero (SGD, Adam(W), with or without weight decay). Each pie
 gradients from its own rows, which is what training the original's separate LoRAs does. The initial adapter is
 the original's, number for number: each piece's A and B are drawn as PEFT draws them for that piece's own layer,
 in the original's order, and the merged layer's own draws are discarded (`initialise_like_pieces`), so a run
-with the same seed starts from the same adapter and leaves the generator in the same state. The one difference is
-dropout: with `lora_dropout > 0` one dropout mask is drawn per merged linear, not one per piece.
+with the same seed starts from the same adapter and leaves the generator in the same state. With `lora_dropout > 0`
+each adapted piece gets its own dropout mask, drawn as the original's piece layer draws it (`PieceDropout`).
 
 How it plugs in: `install()` wraps five PEFT methods (the target match, the layer creation, the injection, and the
 state-dict remapping on load and save) so that on a fused model PEFT sees canonical names everywhere a user or a
@@ -307,8 +307,62 @@ class BlockDiagonalLinear(nn.Linear):
         return f"{super().extra_repr()}, blocks={[block[0] for block in self.blocks]}"
 
 
+class PieceDropout(nn.Dropout):
+    """LoRA dropout of a merged linear with several adapted pieces: one mask per adapted piece, in row order.
+
+    On the original each adapted piece's LoRA layer applies its own `nn.Dropout` to the shared input `x`, so a
+    q/v adapter draws two masks of `x`'s shape, q's then v's (the order the original's forward calls the pieces,
+    which is row order wherever `test_lora_dropout_draws_follow_the_originals_calls` finds it). In training this
+    returns the pieces' dropped copies of `x` side by side on the last dimension, `[d_q(x), d_v(x)]`, drawn by the
+    same `F.dropout` calls in that order: the same masks, the same scaled values, and the generator left where the
+    original leaves it. `PieceInputLinear` (LoRA's A) then gives each piece's rank block its own copy. In eval mode,
+    or with p = 0, it returns `x` unchanged, as `nn.Dropout` does.
+    """
+
+    def __init__(self, p: float, count: int, inplace: bool = False):
+        super().__init__(p, inplace)
+        self.count = count
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return torch.cat([F.dropout(x, self.p, True, self.inplace) for _ in range(self.count)], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, one mask per piece: {self.count}"
+
+
+class PieceInputLinear(nn.Linear):
+    """LoRA's A for a merged linear whose adapted pieces each see their own dropped copy of the input.
+
+    Given `x` of `in_features` (eval, no dropout) it is `nn.Linear`. Given the `PieceDropout` copies side by side
+    (`count * in_features`), rank block i (piece i's A, rows `columns[i]`) reads copy i only:
+    `[A_q d_q(x), A_v d_v(x)]`, which is what the original's separate `lora_A` layers compute, each the same
+    `F.linear` of the same shapes. The weight and the state dict are an ordinary `(R, in)` A.
+    """
+
+    def __init__(self, weight: nn.Parameter, packing: Packing):
+        nn.Module.__init__(self)  # nn.Linear's own __init__ would make (and draw) a weight; this one is given
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.register_parameter("bias", None)
+        self.columns = tuple((column, columns) for _, _, _, column, columns in packing.blocks())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] == self.weight.shape[1]:
+            return F.linear(x, self.weight)
+        copies = x.split(self.weight.shape[1], dim=-1)
+        if len(copies) != len(self.columns):
+            raise ValueError(f"{len(copies)} input copies for {len(self.columns)} adapted pieces")
+        return torch.cat(
+            [F.linear(copy_, self.weight[start : start + rows]) for copy_, (start, rows) in zip(copies, self.columns)],
+            dim=-1,
+        )
+
+
 def _pack_layer(layer: nn.Module, adapter: str, packing: Packing) -> None:
-    """Make `layer`'s new adapter block-diagonal (off-block entries zeroed) and record how it is packed."""
+    """Make `layer`'s new adapter block-diagonal (off-block entries zeroed), its dropout one mask per adapted
+    piece (`PieceDropout`, `PieceInputLinear`), and record how it is packed."""
     old = layer.lora_B[adapter]
     new = BlockDiagonalLinear(packing, device=old.weight.device, dtype=old.weight.dtype)
     if not old.weight.is_meta:
@@ -316,6 +370,11 @@ def _pack_layer(layer: nn.Module, adapter: str, packing: Packing) -> None:
             new.weight.copy_(old.weight * new.mask)
     new.weight.requires_grad_(old.weight.requires_grad)
     layer.lora_B[adapter] = new
+    dropout = layer.lora_dropout[adapter]
+    if isinstance(dropout, nn.Dropout) and dropout.p > 0 and len(packing.ranks) > 1:
+        layer.lora_dropout[adapter] = PieceDropout(dropout.p, len(packing.ranks), dropout.inplace)
+        # the same parameter: the state dict, the initialisation below and the optimizer see no change
+        layer.lora_A[adapter] = PieceInputLinear(layer.lora_A[adapter].weight, packing)
     layer.scaling[adapter] = packing.scaling
     layer.__dict__.setdefault("fusegen_packings", {})[adapter] = packing
 
