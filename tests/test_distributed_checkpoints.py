@@ -324,6 +324,40 @@ def _flat_layout_converts(model, optimizer):
     )
 
 
+def _full_state_dict_converts(model, optimizer):
+    """`StateDictOptions(full_state_dict=True)`: the canonical full optimizer state holds the canonical sharded
+    state's tensors gathered whole, and setting it (full) back leaves every optimizer tensor as it was."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from fusegen.runtime import optimizer_state
+
+    full_options = StateDictOptions(full_state_dict=True)
+    nested = optimizer_state.get_optimizer_state_dict(model, optimizer)
+    full = optimizer_state.get_optimizer_state_dict(model, optimizer, options=full_options)
+    if sorted(full["state"]) != sorted(nested["state"]) or any("qkv_proj" in name for name in full["state"]):
+        return False
+    same = all(
+        torch.equal(_full(nested["state"][name][key]), _full(full["state"][name][key]))
+        for name in sorted(nested["state"])
+        for key in sorted(nested["state"][name])
+    )
+
+    def local(value):  # what the optimizer updates with: this rank's rows, and what they are said to be
+        return (value.to_local() if hasattr(value, "to_local") else value).clone(), getattr(value, "placements", None)
+
+    before = {(name, key): local(value) for name, p in model.named_parameters() for key, value in
+              sorted(optimizer.state[p].items())}  # fmt: skip
+    optimizer_state.set_optimizer_state_dict(model, optimizer, full, options=full_options)
+    after = {(name, key): local(value) for name, p in model.named_parameters() for key, value in
+             sorted(optimizer.state[p].items())}  # fmt: skip
+    return (
+        same
+        and sorted(before) == sorted(after)
+        and all(torch.equal(before[k][0], after[k][0]) and before[k][1] == after[k][1] for k in before)
+        and all(str(before[k][1]) == str(after[k][1]) for k in before)  # MergedRowShard compares equal to Shard(0)
+    )
+
+
 def _max_diff(expected, actual):
     return max((expected[k] - actual[k]).abs().max().item() for k in expected if k in actual)
 
@@ -357,6 +391,7 @@ def _resume(model_type, path, out, source, build, build_other=None):
         state = _canonical_training_state(resumed, resumed_optimizer, model_type)
         if kind == "fused":
             result["flat_layout_converts"] = _flat_layout_converts(resumed, resumed_optimizer)
+            result["full_state_dict_converts"] = _full_state_dict_converts(resumed, resumed_optimizer)
         resumed_losses = [_step(resumed, resumed_optimizer) for _ in range(RESUME_STEPS)]
         result[kind] = {
             "state_names_equal": sorted(state) == sorted(saved),
@@ -492,7 +527,7 @@ def test_training_resumes_from_a_canonical_checkpoint_on_either_class(launched, 
         print(f"{name} rank {rank}: {result}")
         assert "failed" not in result, f"rank {rank}: {result['failed']}"
         assert not result["merged_names_in_checkpoint"] and result["optimizer_keys"] > 0, result
-        assert result["flat_layout_converts"], result
+        assert result["flat_layout_converts"] and result["full_state_dict_converts"], result
         for kind in (source, other):
             assert result[kind]["state_names_equal"] and result[kind]["state_max_diff"] == 0, (kind, result)
         assert max(result[source]["loss_diffs"]) == 0 and result[source]["param_max_diff"] == 0, result

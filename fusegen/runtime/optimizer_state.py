@@ -279,17 +279,61 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
     """`torch.distributed.checkpoint.state_dict.set_optimizer_state_dict` from a canonical optimizer state dict."""
     from torch.distributed.checkpoint import state_dict as dsd
 
-    dsd.set_optimizer_state_dict(model, optimizers, merged_optimizer_state(model, optim_state_dict), **kwargs)
+    merged = merged_optimizer_state(model, optim_state_dict)
+    dsd.set_optimizer_state_dict(model, optimizers, merged, **kwargs)
+    place_full_merged_state(model, optimizers, merged, kwargs.get("options"))
 
 
 def set_state_dict(model: nn.Module, optimizers, *, model_state_dict: dict, optim_state_dict: dict, **kwargs):
     """`torch.distributed.checkpoint.state_dict.set_state_dict` from canonical model and optimizer state dicts."""
     from torch.distributed.checkpoint import state_dict as dsd
 
-    return dsd.set_state_dict(
-        model,
-        optimizers,
-        model_state_dict=model_state_dict,
-        optim_state_dict=merged_optimizer_state(model, optim_state_dict),
-        **kwargs,
+    merged = merged_optimizer_state(model, optim_state_dict)
+    result = dsd.set_state_dict(
+        model, optimizers, model_state_dict=model_state_dict, optim_state_dict=merged, **kwargs
     )
+    place_full_merged_state(model, optimizers, merged, kwargs.get("options"))
+    return result
+
+
+def place_full_merged_state(model: nn.Module, optimizers, merged: dict, options) -> None:
+    """After DSD loaded a full (`full_state_dict=True`) optimizer state: give each tensor-parallel merged parameter's
+    state this rank's own rows.
+
+    DSD cuts a full tensor into each rank's part with `Shard(0)` arithmetic (rows `[r n, (r + 1) n)` of the
+    merged tensor), but a tensor-parallel merged parameter holds a block of every piece (`MergedRowShard`, whose
+    rows `select_local` gives), so DSD's part is other rows (or, with replicated kv heads, another row count). The
+    full merged tensor (`merged`, this rank's copy) is cut again here with the parameter's own placement
+    (`local_rows`). Under `broadcast_from_rank0` only rank 0 holds it: refused, naming the parameter.
+    """
+    if options is None or not options.full_state_dict or not merged:
+        return
+    from torch.distributed.tensor import DTensor
+
+    entries = [e for e in merged_entries(model) if any(hasattr(p, "select_local") for p in e.parameter.placements)]
+    if entries and options.broadcast_from_rank0:
+        raise NotImplementedError(
+            f"{entries[0].name}: a tensor-parallel merged parameter's optimizer state cannot be loaded with "
+            "broadcast_from_rank0 (its rows per rank are not a Shard(0) block); load it without broadcast_from_rank0"
+        )
+    optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
+    for entry in entries:
+        if _STATE in merged:
+            values = merged[_STATE].get(entry.name, {})
+        else:
+            prefix = f"{_STATE}.{entry.name}."
+            values = {key[len(prefix) :]: value for key, value in merged.items() if key.startswith(prefix)}
+        parameter = entry.parameter
+        for optimizer in optimizers:
+            state = optimizer.state.get(parameter)
+            if state is None:
+                continue
+            for key, value in values.items():
+                if not _is_elementwise(entry, value) or is_dtensor(value):
+                    continue
+                current = state[key]
+                local = (
+                    local_rows(value, parameter).to(device=current.device, dtype=current.dtype).contiguous().clone()
+                )
+                state[key] = DTensor.from_local(local, parameter.device_mesh, parameter.placements, run_check=False,
+                                                shape=parameter.shape, stride=parameter.stride())  # fmt: skip
