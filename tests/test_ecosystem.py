@@ -329,7 +329,6 @@ def test_lora_targets_keep_the_originals_module_order():
     }
 
 
-@pytest.mark.slow  # get_peft_model on every causal-LM type, several times
 def test_same_seed_lora_init_on_every_type():
     """`get_peft_model` at one seed, adapting every linear of the original but `lm_head` (by name), on the fused model
     gives bit for bit the original's initial adapter (canonical names) and leaves the generator where the original's
@@ -399,7 +398,6 @@ def _causal_lm_types():
     return sorted(p.stem.removeprefix("fused_") for p in files if "\nregister_fused_causal_lm(" in p.read_text())
 
 
-@pytest.mark.slow  # a forward of every causal-LM type's original
 def test_lora_dropout_draws_follow_the_originals_calls():
     """What same-seed parity with `lora_dropout > 0` rests on: the original's forward calls a merged linear's
     pieces one after the other (no other adaptable module called in between) and in row order, so the merged
