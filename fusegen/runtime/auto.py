@@ -103,26 +103,3 @@ def register_fused_causal_lm(model_class: type) -> None:
             del extra[key]
     extra[model_class] = model_class
 
-
-def generated_class(cls: type) -> tuple[type, str] | None:
-    """The first class in `cls`'s MRO defined by a generated file, and the modeling module that file was built from.
-
-    Walking the MRO (rather than reading `cls.__module__`) keeps a user's subclass in their own module working.
-    """
-    for klass in cls.__mro__:
-        source = source_module(klass.__module__)
-        if source is not None:
-            return klass, source
-    return None
-
-
-def original_class(cls: type) -> type | None:
-    """The Transformers class a generated class is the fused copy of: `FusedMixtralForCausalLM` ->
-    `MixtralForCausalLM` in the source module; None if there is no such class (then nothing is delegated)."""
-    found = generated_class(cls)
-    if found is None:
-        return None
-    klass, source = found
-    module = sys.modules.get(source)
-    original = getattr(module, original_name(klass.__name__), None) if module is not None else None
-    return original if isinstance(original, type) and original is not klass else None
