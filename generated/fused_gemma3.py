@@ -132,7 +132,9 @@ class FusedSiglipAttention(nn.Module):
         self.dropout = config.attention_dropout
         self.is_causal = False
 
-        self.qkv_proj = MergedColumnLinear(self.embed_dim, [self.embed_dim, self.embed_dim, self.embed_dim], bias=True)
+        self.qkv_proj = MergedColumnLinear(
+            self.embed_dim, [self.embed_dim, self.embed_dim, self.embed_dim], bias=True, construction_order=[1, 2, 0]
+        )
         self.qkv_proj_sizes = self.qkv_proj.output_sizes
         self.out_proj = nn.Linear(self.embed_dim, self.embed_dim)
 

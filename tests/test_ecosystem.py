@@ -277,9 +277,9 @@ def test_same_seed_lora_is_the_originals_adapter_and_run(checkpoint, model_type,
 def test_lora_targets_keep_the_originals_module_order():
     """What same-seed parity rests on: the modules PEFT can adapt come in the original's order, a merged linear's
     pieces where the original has them, in every generated file built around a causal LM (tiny configs, on the meta
-    device). The known exceptions: deepseek_v3's fused_qkv_a_proj (q_a_proj + kv_a_proj_with_mqa) is built after
-    q_b_proj, which the original builds after q_a_proj; gemma3's Siglip attention builds k, v, q, its merged linear
-    holds q, k, v. An adapter on those pieces draws them in another order (docs/ecosystem.md)."""
+    device), a merged linear's pieces in its `construction_order`. The known exception: deepseek_v3's
+    fused_qkv_a_proj (q_a_proj + kv_a_proj_with_mqa) is built after q_b_proj, which the original builds after
+    q_a_proj. An adapter on those pieces draws them in another order (docs/ecosystem.md)."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -304,19 +304,18 @@ def test_lora_targets_keep_the_originals_module_order():
         assert merged, model_type
         order = []
         for name, module in fused.named_modules():
-            if name in merged:
-                order += [merged[name].piece_path(piece) for piece in merged[name].pieces]
+            if name in merged:  # the pieces in the order the original built them (its rows may be in another)
+                pieces = [merged[name].pieces[index] for index in module.construction_order]
+                order += [merged[name].piece_path(piece) for piece in pieces]
             elif adaptable(module):
                 order.append(name)
         expected = [name for name, module in original.named_modules() if adaptable(module)]
         assert sorted(order) == sorted(expected), model_type
         if order != expected:
             differing[model_type] = next(a for a, b in zip(order, expected) if a != b)
-    assert differing == {
-        "deepseek_v3": "model.layers.0.self_attn.q_b_proj",
-        # Siglip's attention builds k_proj, v_proj, q_proj in that order; the merged qkv_proj is in q, k, v row order.
-        "gemma3": "model.vision_tower.encoder.layers.0.self_attn.q_proj",
-    }
+    # Siglip's attention builds k_proj, v_proj, q_proj; gemma3's merged qkv_proj holds them in q, k, v rows and
+    # records that construction_order, so PEFT draws them in the original's order (no exception since).
+    assert differing == {"deepseek_v3": "model.layers.0.self_attn.q_b_proj"}
 
 
 def test_merge_and_unload_gives_the_adapted_outputs(checkpoint, tmp_path):

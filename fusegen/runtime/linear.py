@@ -77,6 +77,11 @@ class MergedColumnLinear(nn.Linear):
     change an output. Exactness: adding a zero to a GEMM output is the identity on every finite value, so each
     piece is what its own `F.linear` (with or without bias) returns. Loading fills those rows with zeros (a
     canonical checkpoint has no such tensor) and saving drops them (`fusegen.runtime.checkpoint`, `.loading`).
+
+    `construction_order` (None: row order) lists the pieces' indices in the order the original's `__init__` built
+    them, where that is not their row order (Siglip and CLIP build k, v, q; the rows are q, k, v). It changes no
+    number this module computes; whatever draws random numbers per piece as the original draws them per projection
+    (a PEFT LoRA's initial A, `fusegen.runtime.peft.initialise_like_pieces`) draws in this order.
     """
 
     def __init__(
@@ -87,11 +92,17 @@ class MergedColumnLinear(nn.Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         layout: RowLayout | None = None,
+        construction_order: Sequence[int] | None = None,
     ) -> None:
         sizes = _as_output_sizes(output_sizes)
         flags = _as_bias_pieces(bias, len(sizes))
         if layout is not None and list(layout.sizes) != sizes:
             raise ValueError(f"row layout {layout.describe()} does not match output_sizes {sizes}")
+        order = list(range(len(sizes))) if construction_order is None else [int(i) for i in construction_order]
+        if sorted(order) != list(range(len(sizes))):
+            raise ValueError(f"construction_order {order} is not an order of the {len(sizes)} pieces")
+        self.construction_order: list[int] = order
+        """The pieces' indices in the order the original built them (see the class docstring)."""
         self.bias_pieces: list[bool] = flags
         self.output_sizes: list[int] = sizes
         self.row_layout: RowLayout | None = layout

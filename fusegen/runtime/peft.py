@@ -344,10 +344,12 @@ def initialise_like_pieces(layer: nn.Module, adapter: str, packing: Packing, ini
     For each target PEFT's `update_layer` creates `lora_A = nn.Linear(in, r)` and `lora_B = nn.Linear(r, out)`
     (each constructor draws its kaiming-uniform weight) and then, for `init_lora_weights=True`, draws A again
     (kaiming-uniform; "gaussian": normal with std 1/r) and zeroes B; for False it keeps the constructors' draws.
-    The original creates the pieces one after the other, in the order of its modules; a merged linear sits where
-    its first piece was, with its pieces in the same order (`tests/test_ecosystem.py` checks that for every
-    generated file), so the draws below, made for each adapted piece in row order with the same shapes, generator
-    and calls, are bit for bit the original's, and leave the generator where the original's injection leaves it:
+    The original creates the pieces one after the other, in the order of its modules; a merged linear sits among
+    its pieces' neighbours, with no other adaptable module built between them (`tests/test_ecosystem.py` checks
+    that for every generated file), so the draws below, made for each adapted piece in the order the original
+    built them (the merged linear's `construction_order`: row order, or k, v, q for Siglip's q, k, v rows) with the
+    same shapes, generator and calls, are bit for bit the original's, and leave the generator where the original's
+    injection leaves it:
     every later target (o_proj, gate_up_proj, ...) then draws the original's numbers too. The merged layer's own
     draws (one `(R, in)` A, one `(out, R)` B) are discarded (`_draws_discarded`). Nothing is drawn when the adapter
     is created on the meta device (`low_cpu_mem_usage`), as PEFT then draws nothing for the pieces either.
@@ -355,7 +357,9 @@ def initialise_like_pieces(layer: nn.Module, adapter: str, packing: Packing, ini
     a_weight, b_weight = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
     if a_weight.is_meta:
         return
-    for _, row, rows, column, rank in packing.blocks():
+    built = getattr(_base_layer(layer), "construction_order", None) or range(len(packing.merged.pieces))
+    position = {packing.merged.pieces[index]: place for place, index in enumerate(built)}
+    for _, row, rows, column, rank in sorted(packing.blocks(), key=lambda block: position[block[0]]):
         a, b = nn.Linear(a_weight.shape[1], rank, bias=False), nn.Linear(rank, rows, bias=False)
         if init is True:
             nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))

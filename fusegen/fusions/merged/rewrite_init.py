@@ -61,6 +61,9 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
     fills.update({f"__out{i}__": bound["out_features"] for i, bound in enumerate(arguments)})
     for node in [n for n in ast.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:
         astutil.replace_node(merged, node, copy.deepcopy(fills[node.id]))  # the originals may stay in use
+    built = construction_order([block.index(assign) for assign in assigns])
+    if built is not None:
+        merged.value.keywords.append(ast.keyword("construction_order", ast.parse(repr(built), mode="eval").body))
     sizes = ast.parse(f"self.{sizes_attribute(plan.merged)} = self.{plan.merged}.output_sizes").body[0]
     new = [merged, sizes]
     if guard is not None:
@@ -71,6 +74,16 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
         if assign is not last:
             block.remove(assign)
     return conditional
+
+
+def construction_order(positions: list[int]) -> list[int] | None:
+    """The pieces' indices (row order) sorted by where the original's `__init__` built them, or None when that is
+    row order. Siglip's and CLIP's attention build `k_proj`, `v_proj`, `q_proj`: positions `[2, 0, 1]` give
+    `[1, 2, 0]`. The merged linear records it (`MergedColumnLinear.construction_order`) for what draws random
+    numbers per piece as the original draws them per projection: a PEFT LoRA's initial adapter, drawn piece by piece
+    in the original's order so a same-seed run starts from the original's numbers."""
+    order = sorted(range(len(positions)), key=positions.__getitem__)
+    return None if order == list(range(len(positions))) else order
 
 
 def bias_flags(arguments: list[dict[str, ast.expr]]) -> ast.expr:
