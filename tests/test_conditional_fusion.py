@@ -223,8 +223,10 @@ def k_bias_rows(qkv: MergedColumnLinear) -> torch.Tensor:
 
 def test_whisper_qkv_proj_carries_per_piece_bias_flags(built):
     source = Path(built["whisper"].__file__).read_text()
+    # Whisper's attention builds k_proj, v_proj, q_proj: the merged linear records that order (PEFT draws by it).
     assert (
-        "self.qkv_proj = MergedColumnLinear(embed_dim, [embed_dim, embed_dim, embed_dim], bias=[bias, False, bias])"
+        "self.qkv_proj = MergedColumnLinear(\n"
+        "            embed_dim, [embed_dim, embed_dim, embed_dim], bias=[bias, False, bias], construction_order=[1, 2, 0]\n"
         in source
     )
     fused = built["whisper"].FusedWhisperForCausalLM(whisper_config())

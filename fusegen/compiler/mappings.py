@@ -85,13 +85,13 @@ def planned_config(model: nn.Module) -> tuple[Any, str | None]:
     from transformers import PreTrainedModel
 
     configs = {}
-    for module in model.modules():
+    for module in model.modules() if isinstance(model, nn.Module) else ():
         if isinstance(module, PreTrainedModel) and module.base_model is module:
             config = module.config
             if getattr(config, "base_model_tp_plan", None):
                 configs.setdefault(id(config), config)
     if not configs and getattr(model.config, "base_model_tp_plan", None):
-        configs[id(model.config)] = model.config  # a head whose base model is built lazily or elsewhere
+        configs[id(model.config)] = model.config  # no base model among the modules: the root's plan
     plans = {repr(sorted(config.base_model_tp_plan.items())): config for config in configs.values()}
     if not plans:
         return None, "the original config has no base_model_tp_plan"
