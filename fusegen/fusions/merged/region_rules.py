@@ -144,7 +144,9 @@ def region_findings(
 
 def check_context(funcdef, region, projection_calls, namespace, local):
     """Refuse (`ambient-context`) a projection inside a `with` the region opens unless every item is harmless, a
-    `with` of the region whose items are not known to restore what they change, and a state-switching call."""
+    `with` of the region whose items are not known to restore what they change, and a state-switching call other
+    than the item of such a `with` (`with torch.set_grad_enabled(False):` around no projection: the call switches,
+    the `with` restores on exit, the later projections run under the state they found)."""
     parent_of = parent_map(funcdef)
     inside = {id(node) for node in dataflow.region_nodes(region)}
     holding: set[int] = set()
@@ -161,16 +163,24 @@ def check_context(funcdef, region, projection_calls, namespace, local):
                             call,
                         )
             node = parent_of.get(node)
+    restoring_items = {
+        id(item.context_expr)
+        for node in dataflow.region_nodes(region)
+        if isinstance(node, (ast.With, ast.AsyncWith))
+        for item in node.items
+        if _context_of(item.context_expr, namespace, local) in RESTORING_CONTEXTS
+    }
     for node in dataflow.region_nodes(region):
         if isinstance(node, (ast.With, ast.AsyncWith)) and id(node) not in holding:
             for item in node.items:
-                if _context_of(item.context_expr, namespace, local) not in RESTORING_CONTEXTS:
+                if id(item.context_expr) not in restoring_items:
                     yield Refused(
                         "ambient-context",
                         f"`with {ast.unparse(item)}` may change state it does not restore before the next projection",
                         node,
                     )
-        if isinstance(node, ast.Call) and lookup.call_name(node) in STATE_CALLS:
+        # `with torch.set_grad_enabled(False):` switches as it is called, and its `with` switches back on exit
+        if isinstance(node, ast.Call) and lookup.call_name(node) in STATE_CALLS and id(node) not in restoring_items:
             yield Refused(
                 "ambient-context", f"`{ast.unparse(node)}` may switch the state the later projections run under", node
             )
