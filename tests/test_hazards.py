@@ -606,9 +606,7 @@ PROJECTION_RULES = {"projection-hook", "global-hook", "linear-subclass", "parame
 """Rules judged on the instantiated modules, which have no source line."""
 
 
-OVER_REFUSED = {
-    "lambda_not_capturing": "region-call: a call of a local lambda is not proven write-free (its body is not read)",
-}
+OVER_REFUSED: dict[str, str] = {}
 """Safe cases the analysis refuses today (docs/analysis.md, "Safe patterns still refused"); strict, so the day a rule
 learns to accept one, the test says so."""
 
@@ -913,6 +911,20 @@ NEW_HAZARDS = {
         (_Q, "scale_cell()", _K, _V),
         layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: put_in_cell(args[0]))",
     ),
+    "alias_lambda_capturing_parameter": Toy(
+        ("f = lambda: cache.view()", _Q, "f()", _K, _V), layer=_LAYER + _pair("Box(args[0])"), signature="x, cache"
+    ),
+    "alias_lambda_calling_registry_helper": Toy(
+        ("f = lambda: bump_registered()", _Q, "f()", _K, _V),
+        layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: REGISTRY.append(args[0]))",
+    ),
+    "alias_lambda_rebound": Toy(
+        ("f = lambda: 1.0", "if self.flag:\n    f = lambda: bump_registered()", _Q, "n = f()", _K, _V),
+        layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: REGISTRY.append(args[0]))",
+    ),
+    "alias_lambda_writing_argument": Toy(
+        ("f = lambda t: t.mul_(2.0)", _Q, "f(y)", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y"
+    ),
     # 3. projections reached without the spelled `self.<proj>`
     "ident_modules_dict": Toy(
         (_Q, 'w = self._modules["k_proj"].weight.sum()', _K, _V), ret="return q * w + torch.cat([k, v], dim=-1)"
@@ -1042,6 +1054,9 @@ NEW_SAFE = {
     "write_batch_norm_no_stats": Toy(
         (_Q, "n = F.batch_norm(x.reshape(-1, 16), None, None, training=True)", _K, _V),
         ret="return q + torch.cat([k, v], dim=-1) + n.sum()",
+    ),
+    "lambda_reading_globals_only": Toy(
+        ("f = lambda s: torch.ones(16) * s", _Q, "n = f(2.0)", _K, _V), ret="return q + torch.cat([k, v], dim=-1) + n"
     ),
     "write_data_ptr_compared": Toy(
         (_Q, "same = x.data_ptr() == x.data_ptr()", _K, _V),
