@@ -132,3 +132,18 @@ def test_stacked_mapping_is_data(target):
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
+
+
+@pytest.mark.parametrize("target", ["llama", "qwen2"])
+def test_the_common_path_makes_no_piece_copies(target):
+    """llama and qwen2 write no piece in place, store none and view none across rows: their fused forward splits
+    the merged output and nothing more (the copies of issue 24 stay off the common path; bench/piece_copies.py)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from piece_copies import piece_copies
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    text = (GENERATED / f"fused_{target}.py").read_text()
+    assert ".split(" in text, "no merged split found: the check would see nothing"
+    assert piece_copies(text) == []
+    assert piece_copies("a, b = self.qkv(x).split(s, dim=-1)\nb = b.clone()\n") == ["b = b.clone()"]

@@ -5,17 +5,15 @@ to a module file and compiled through the same path as a Transformers model
 type: `fusegen build <dotted module path>`.
 """
 
-import contextlib
 import importlib
-import inspect
-import itertools
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from fusegen.compiler.build import analyse, build
-from fusegen.testkit import TOY_HELPERS, TOY_NARROW_LOOP, randomise, toy_source
+from fusegen.testkit import TOY_HELPERS, TOY_NARROW_LOOP, toy_source
+from fusegen.tools import oracle
+from fusegen.tools.oracle import Toy
 
 QKV = "        q = self.q_proj(x)\n        k = self.k_proj(x)\n        v = self.v_proj(x)\n"
 RETURN = "        return q + torch.cat([k, v], dim=-1)\n"
@@ -608,9 +606,7 @@ PROJECTION_RULES = {"projection-hook", "global-hook", "linear-subclass", "parame
 """Rules judged on the instantiated modules, which have no source line."""
 
 
-OVER_REFUSED = {
-    "lambda_not_capturing": "region-call: a call of a local lambda is not proven write-free (its body is not read)",
-}
+OVER_REFUSED: dict[str, str] = {}
 """Safe cases the analysis refuses today (docs/analysis.md, "Safe patterns still refused"); strict, so the day a rule
 learns to accept one, the test says so."""
 
@@ -823,98 +819,11 @@ def test_an_input_returned_by_a_method_is_refused_when_a_callee_is_handed_self(c
 
 # --- third batch: ambient context, caller-side aliasing, projection identity, pieces, argument writes ------------------
 #
-# Every case is a toy block whose forward is judged by an oracle of its own (`_verdict`), not by the build's
-# validation: when the analysis fuses the block, the fused causal LM runs against the original, with the same
+# Every case is a toy block whose forward is judged by an oracle of its own (`fusegen.tools.oracle.verdict`), not by
+# the build's validation: when the analysis fuses the block, the fused causal LM runs against the original, with the same
 # weights, in fp32, under each value of the forward-only `flag`, in eval mode and in train mode (logits and every
 # gradient), each with and without bf16 autocast. A hazard must be refused or fused soundly (no difference, no
 # failure where the original runs); a safe twin must be fused and agree.
-
-NEW_HELPERS = '''
-import contextlib
-import ctypes
-
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-
-REGISTRY = []
-
-
-class Doubling(TorchFunctionMode):
-    """Doubles what `F.linear` returns while it is active."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        return out * 2 if func is F.linear else out
-
-
-class Rounding(TorchDispatchMode):
-    """Rounds every floating result to bf16 precision while it is active."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and out.is_floating_point():
-            return out.to(torch.bfloat16).to(out.dtype)
-        return out
-
-
-def keep(t):
-    return t
-
-
-def halve(t):
-    return t * 0.5
-
-
-def double_plain_linears(module, args, output):
-    return output * 2 if type(module) is nn.Linear else None
-
-
-def bump_registered():
-    REGISTRY[-1].add_(1.0)
-
-
-def _cell():
-    held = []
-
-    def put(t):
-        held[:] = [t]
-
-    def scale():
-        held[0].mul_(3.0)
-
-    return put, scale
-
-
-put_in_cell, scale_cell = _cell()
-
-
-def clear_at(address):
-    """Zero 16 bytes at `address` (not on the meta tensors or proxies the build traces with: no address there)."""
-    if type(address) is int and address:
-        ctypes.memset(address, 0, 16)
-
-
-def peek(block):
-    return block.v_proj.weight.sum()
-'''
-
-
-@dataclass(frozen=True)
-class Toy:
-    """One third-batch case: the block's forward `body` lines; `signature` replaces `x` in `forward(self, x)`;
-    `members` are class-level lines of the block (properties); `init`, `layer` as for `toy_source`."""
-
-    body: tuple[str, ...]
-    init: str = ""
-    layer: str = ""
-    signature: str = "x"
-    members: str = ""
-    ret: str = "return q + torch.cat([k, v], dim=-1)"
-
-    def forward(self) -> str:
-        return "".join(
-            "        " + line + "\n" for statement in (*self.body, self.ret) for line in statement.split("\n")
-        )
 
 
 def _pair(name: str) -> str:
@@ -1002,6 +911,20 @@ NEW_HAZARDS = {
         (_Q, "scale_cell()", _K, _V),
         layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: put_in_cell(args[0]))",
     ),
+    "alias_lambda_capturing_parameter": Toy(
+        ("f = lambda: cache.view()", _Q, "f()", _K, _V), layer=_LAYER + _pair("Box(args[0])"), signature="x, cache"
+    ),
+    "alias_lambda_calling_registry_helper": Toy(
+        ("f = lambda: bump_registered()", _Q, "f()", _K, _V),
+        layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: REGISTRY.append(args[0]))",
+    ),
+    "alias_lambda_rebound": Toy(
+        ("f = lambda: 1.0", "if self.flag:\n    f = lambda: bump_registered()", _Q, "n = f()", _K, _V),
+        layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: REGISTRY.append(args[0]))",
+    ),
+    "alias_lambda_writing_argument": Toy(
+        ("f = lambda t: t.mul_(2.0)", _Q, "f(y)", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y"
+    ),
     # 3. projections reached without the spelled `self.<proj>`
     "ident_modules_dict": Toy(
         (_Q, 'w = self._modules["k_proj"].weight.sum()', _K, _V), ret="return q * w + torch.cat([k, v], dim=-1)"
@@ -1085,6 +1008,10 @@ NEW_SAFE = {
     "ctx_closed_no_grad_between": Toy(
         (_Q, "with torch.no_grad():\n    n = x.abs().amax()", _K, _V), ret="return q + torch.cat([k, v], dim=-1) + n"
     ),
+    "ctx_closed_set_grad_enabled_between": Toy(
+        (_Q, "with torch.set_grad_enabled(not self.flag):\n    n = x.abs().amax()", _K, _V),
+        ret="return q + torch.cat([k, v], dim=-1) + n",
+    ),
     "ctx_grad_mode_read_between": Toy(
         (_Q, "on = torch.is_grad_enabled()", _K, _V), ret="return q + torch.cat([k, v], dim=-1) * (2.0 if on else 1.0)"
     ),
@@ -1128,6 +1055,9 @@ NEW_SAFE = {
         (_Q, "n = F.batch_norm(x.reshape(-1, 16), None, None, training=True)", _K, _V),
         ret="return q + torch.cat([k, v], dim=-1) + n.sum()",
     ),
+    "lambda_reading_globals_only": Toy(
+        ("f = lambda s: torch.ones(16) * s", _Q, "n = f(2.0)", _K, _V), ret="return q + torch.cat([k, v], dim=-1) + n"
+    ),
     "write_data_ptr_compared": Toy(
         (_Q, "same = x.data_ptr() == x.data_ptr()", _K, _V),
         ret="return q * (1.0 if same else 2.0) + torch.cat([k, v], dim=-1)",
@@ -1136,95 +1066,13 @@ NEW_SAFE = {
 
 
 def write_toy(case_path, name: str, toy: Toy) -> str:
-    """Write `toy` as module `hazard_cases.toy_<name>` (its block's signature and members spliced in)."""
-    source = toy_source(f"toy_{name}", toy.init, toy.forward(), TOY_HELPERS + NEW_HELPERS, toy.layer)
-    head, tail = source.split("class ToyBlock(nn.Module):", 1)
-    tail = tail.replace("    def forward(self, x):\n", f"{toy.members}\n    def forward(self, {toy.signature}):\n", 1)
-    package = case_path / "hazard_cases"
-    package.mkdir(exist_ok=True)
-    (package / "__init__.py").touch()
-    (package / f"toy_{name}.py").write_text(head + "class ToyBlock(nn.Module):" + tail)
-    return f"hazard_cases.toy_{name}"
-
-
-def _fused_weights(original, fused, plans) -> dict:
-    """The fused model's state from the original's: merged tensors concatenated from their pieces in plan order."""
-    source = original.state_dict()
-    merged = {plan.merged: plan.projections for plan in plans}
-    state = {}
-    for key in fused.state_dict():
-        if key in source:
-            state[key] = source[key]
-            continue
-        prefix, attribute, parameter = key.rsplit(".", 2)
-        state[key] = torch.cat([source[f"{prefix}.{piece}.{parameter}"] for piece in merged[attribute]], dim=0)
-    return state
-
-
-def _run_step(model, ids, train: bool, autocast: bool):
-    """Logits (and every gradient, in train mode) of one step."""
-    model.train(train)
-    model.zero_grad(set_to_none=True)
-    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with context, torch.set_grad_enabled(train):
-        logits = model(ids).logits.float()
-    if not train:
-        return logits, {}
-    logits.mul(torch.linspace(-1, 1, logits.numel()).view(logits.shape)).sum().backward()
-    return logits.detach(), {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters()}
+    """Write `toy` as module `hazard_cases.toy_<name>`."""
+    return oracle.write_toy(case_path, "hazard_cases", f"toy_{name}", toy)
 
 
 def _verdict(case_path, dotted: str, name: str, validate: bool) -> str:
-    """`refused`, `sound`, or what went wrong (`miscompile: ...`, `crash: ...`) when the fused model runs."""
-    result = build(dotted, validate=validate)
-    (block,) = [o for o in result.outcomes if o.class_name == "ToyBlock"]
-    if result.text is None or not block.fused:
-        return "refused"
-    fused_name = f"fused_{name}_{'v' if validate else 'a'}"
-    (case_path / "hazard_cases" / f"{fused_name}.py").write_text(result.text)
-    original_module = importlib.import_module(dotted)
-    fused_module = importlib.import_module(f"hazard_cases.{fused_name}")
-    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
-    toy_text = inspect.getsource(original_module.ToyBlock)
-    ran = False
-    for flag, train, autocast in itertools.product((True, False), (False, True), (False, True)):
-        where = f"flag={flag} train={train} autocast={autocast}"
-        config = original_module.ToyConfig(flag=flag)
-        torch.manual_seed(0)
-        original = randomise(original_module.ToyForCausalLM(config))
-        fused = fused_module.FusedToyForCausalLM(config)
-        fused.load_state_dict(_fused_weights(original, fused, block.fused))
-        try:
-            expected, expected_grads = _run_step(original, ids, train, autocast)
-        except Exception:  # noqa: BLE001, S112 - the original cannot run this step: nothing to hold the fused to
-            continue
-        ran = True
-        try:
-            actual, actual_grads = _run_step(fused, ids, train, autocast)
-        except Exception as error:  # noqa: BLE001
-            return f"crash ({where}): {type(error).__name__}: {str(error).splitlines()[0][:120]}"
-        scale = max(1.0, expected.abs().max().item())
-        # Under autocast a merged GEMM's backward sums the pieces' bf16 products in one GEMM where the original
-        # adds three bf16-rounded ones: gradients differ at bf16's resolution (2**-8), logits not at all.
-        grad_tolerance = 3e-2 if autocast or "autocast" in toy_text else 1e-4
-        if not torch.allclose(expected, actual, atol=1e-5 * scale, rtol=0):
-            return f"miscompile ({where}): logits differ by {(expected - actual).abs().max().item():.3g}"
-        for key, grad in actual_grads.items():
-            reference = _mapped_grad(key, expected_grads, block.fused)
-            if not torch.allclose(
-                reference, grad, atol=grad_tolerance * max(1.0, reference.abs().max().item()), rtol=0
-            ):
-                return f"miscompile ({where}): the gradient of {key} differs"
-    return "sound" if ran else "invalid: the original runs in no mode"
-
-
-def _mapped_grad(key: str, grads: dict, plans) -> torch.Tensor:
-    """The original's gradient for fused parameter `key` (pieces concatenated; a missing gradient is zero)."""
-    if key in grads:
-        return grads[key]
-    prefix, attribute, parameter = key.rsplit(".", 2)
-    pieces = next(plan.projections for plan in plans if plan.merged == attribute)
-    return torch.cat([grads[f"{prefix}.{piece}.{parameter}"] for piece in pieces], dim=0)
+    """`refused`, `sound`, or what went wrong when the fused model ran (`fusegen.tools.oracle.verdict`)."""
+    return oracle.verdict(dotted, f"fused_{name}_{'v' if validate else 'a'}", validate)
 
 
 @pytest.mark.parametrize("name", sorted(NEW_HAZARDS))

@@ -166,3 +166,29 @@ def test_anyres_models_verify_with_real_images(model_type):
     assert result.text is not None and "self.qkv_proj = MergedColumnLinear(" in result.text
     statuses = {check.config: check.status for check in result.validation.checks}
     assert statuses["tiny"] == "passed" and set(statuses.values()) == {"passed"}, result.validation.describe()
+
+
+def test_the_tp_plan_comes_from_the_one_config_that_has_one():
+    # Qwen2.5-VL's plan lives in its text config (the composite and vision configs have none); a file whose base
+    # models carry two different plans gets no TP_PLAN rather than one plan applied to the other's modules.
+    from transformers import LlamaConfig, LlamaModel, PreTrainedModel
+
+    from fusegen.compiler.instantiate import instantiate
+    from fusegen.compiler.mappings import planned_config
+
+    found, reason = planned_config(instantiate(resolve("qwen2_5_vl")))
+    assert type(found).__name__ == "Qwen2_5_VLTextConfig" and reason is None
+    assert importlib.import_module("generated.fused_qwen2_5_vl").TP_PLAN["layers.*.self_attn.qkv_proj"]
+
+    class Two(PreTrainedModel):
+        config_class = LlamaConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.first, self.second = LlamaModel(config), LlamaModel(LlamaConfig(**config.to_dict()))
+            self.second.config.base_model_tp_plan = {"layers.*.mlp.down_proj": "rowwise"}
+
+    with torch.device("meta"):
+        tiny = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+        found, reason = planned_config(Two(tiny))
+    assert found is None and "different base_model_tp_plans" in reason

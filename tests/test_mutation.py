@@ -7,10 +7,14 @@ original's. So no rule is dead weight, and the differential check is strong
 enough to see what each one prevents.
 """
 
+from dataclasses import dataclass
+
 import pytest
 
-from fusegen.fusions.merged import rules
+from fusegen.fusions.merged import pieces, rules
+from fusegen.tools import oracle
 from fusegen.tools.fuzz import SETUPS, Case, Harness
+from fusegen.tools.oracle import Toy
 
 pytestmark = pytest.mark.slow  # every rule switched off in turn, each case built and run
 
@@ -88,3 +92,169 @@ def test_switching_a_rule_off_lets_a_miscompile_through(tmp_path, monkeypatch, r
         switched_off = harness.check(MUTANTS[rule])
     assert switched_off.fused, f"with {rule} off the case is still refused: {switched_off}"
     assert switched_off.miscompile, f"with {rule} off the fused case still computes the same: {switched_off}"
+
+
+# --- issue 24's rules, branch by branch, judged by running in every mode ----------------------------------------------
+#
+# Each rule of the second layer refuses through several checks (`fusegen/fusions/merged/region_rules.py`); one mutant
+# above shows the rule needed, these show each of its checks needed: the case is refused by that rule, and with the
+# rule off (and `also`, the other rules that catch the same case by design) it is fused and the fused model computes
+# something else or raises where the original runs, judged by `fusegen.tools.oracle.verdict` (logits and gradients,
+# eval and train, with and without bf16 autocast). The piece copies (`fusegen.fusions.merged.pieces.COPIES`) are
+# shown needed the same way.
+
+PAIR = "        self.block.register_forward_pre_hook(lambda m, args: (args[0], args[0]))"
+W_RETURN = "return q * w + torch.cat([k, v], dim=-1)"
+
+
+@dataclass(frozen=True)
+class Branch:
+    rule: str
+    toy: Toy
+    also: frozenset = frozenset()
+
+
+BRANCHES = {
+    "context: a with around one projection": Branch("ambient-context", Toy((Q, "with torch.no_grad():\n    " + K, V))),
+    "context: a with of the region that stays open": Branch(
+        "ambient-context",
+        Toy(
+            (
+                Q,
+                "with contextlib.ExitStack() as stack:\n    stack.enter_context(Doubling())\n    held = stack.pop_all()",
+                K,
+                V,
+                "held.close()",
+            )
+        ),
+        also=frozenset({"region-call"}),  # a call in the region not proven write-free, too
+    ),
+    "context: a grad-mode switch by call": Branch(
+        "ambient-context",
+        Toy(
+            (Q, "was = torch.is_grad_enabled()", "torch.set_grad_enabled(False)", K, "torch.set_grad_enabled(was)", V)
+        ),
+        also=frozenset({"region-call"}),  # a call in the region not proven write-free, too
+    ),
+    "context: a mode entered by call": Branch(
+        "ambient-context",
+        Toy((Q, "mode = Doubling()", "mode.__enter__()", K, "mode.__exit__(None, None, None)", V)),
+        also=frozenset({"region-call"}),  # a call in the region not proven write-free, too
+    ),
+    "caller-alias: a second parameter": Branch(
+        "caller-alias",
+        Toy((Q, "y.mul_(2.0)", K, V), layer=PAIR, signature="x, y"),
+        also=frozenset({"region-call"}),  # a method of an unannotated parameter, too
+    ),
+    "caller-alias: an item of a list parameter": Branch(
+        "caller-alias",
+        Toy(
+            (Q, "states[0] += 1.0", K, V),
+            layer="        self.block.register_forward_pre_hook(lambda m, args: (args[0], [args[0]]))",
+            signature="x, states",
+        ),
+    ),
+    "region-call: a closure cell": Branch(
+        "region-call",
+        Toy(
+            (Q, "scale_cell()", K, V),
+            layer="        self.block.register_forward_pre_hook(lambda m, args: put_in_cell(args[0]))",
+        ),
+    ),
+    "region-call: an address handed to a helper": Branch(
+        "region-call",
+        Toy((Q, "clear_at(x.data_ptr())", K, V)),
+        also=frozenset({"impure-call"}),  # the input handed to a user function, too
+    ),
+    "identity: _modules": Branch(
+        "projection-identity",
+        Toy((Q, 'w = self._modules["k_proj"].weight.sum()', K, V), ret=W_RETURN),
+        also=frozenset({"region-call"}),  # a method of an object not known to be a tensor, too
+    ),
+    "identity: attrgetter": Branch(
+        "projection-identity",
+        Toy((Q, 'w = operator.attrgetter("k_proj.weight")(self).sum()', K, V), ret=W_RETURN),
+        also=frozenset({"region-call"}),  # an operator callable applied in the region, too
+    ),
+    "identity: parameters()": Branch(
+        "projection-identity",
+        Toy((Q, "w = next(self.parameters()).shape[0]", K, V), ret=W_RETURN),
+        also=frozenset({"state-method-call"}),  # a method of the module itself, too
+    ),
+    "identity: a callee handed self in the region": Branch(
+        "projection-identity", Toy((Q, "w = peek(self)", K, V), ret=W_RETURN)
+    ),
+    "identity: a callee handed self that names a projection": Branch(
+        "projection-identity", Toy(("w = peek(self)", Q, K, V), ret=W_RETURN)
+    ),
+    "identity: a global hook registered in forward": Branch(
+        "projection-identity",
+        Toy(
+            (
+                Q,
+                "handle = torch.nn.modules.module.register_module_forward_hook(double_plain_linears)",
+                K,
+                V,
+                "handle.remove()",
+            )
+        ),
+        also=frozenset({"ambient-context"}),  # registering a global hook is a state switch too
+    ),
+    "argument-write: running statistics": Branch(
+        "argument-write",
+        Toy(
+            (Q, "n = F.batch_norm(x.reshape(-1, 16), x[0, 0], x[0, 1], training=True, momentum=0.5)", K, V),
+            ret="return q + torch.cat([k, v], dim=-1) + n.sum()",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BRANCHES))
+def test_switching_a_rule_off_lets_each_of_its_checks_miscompile(tmp_path, monkeypatch, name):
+    branch = BRANCHES[name]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    slug = "".join(c if c.isalnum() else "_" for c in name)
+    dotted = oracle.write_toy(tmp_path, "branch_cases", f"case_{slug}", branch.toy)
+    try:
+        assert oracle.verdict(dotted, "fused_all", validate=False) == "refused"
+        monkeypatch.setattr(rules, "DISABLED", branch.also)
+        kept, rules_fired = oracle.judge(dotted, "fused_on", validate=False)
+        assert (
+            kept == "refused" and branch.rule in rules_fired
+        ), f"with {sorted(branch.also)} off: {kept} {rules_fired}"
+        monkeypatch.setattr(rules, "DISABLED", frozenset({branch.rule} | branch.also))
+        switched_off = oracle.verdict(dotted, "fused_off", validate=False)
+    finally:
+        oracle.forget("branch_cases")
+    assert switched_off.startswith(("miscompile", "crash")), f"with {branch.rule} off: {switched_off}"
+
+
+PIECES = {
+    "a piece stored on self and written by the caller's hook": Toy(
+        (Q, K, V, "self.seen = k"),
+        layer="        self.block.register_forward_hook(lambda m, args, out: [m.seen.mul_(2.0)] and None)",
+    ),
+    "a piece handed to a user function that writes it": Toy((Q, K, "k = scale_in_place(k)", V)),
+    "a piece viewed across rows": Toy(
+        (Q, "k = self.k_proj(x).view(-1)", V), ret="return q + torch.cat([k.view(v.shape), v], dim=-1)"
+    ),
+    "a piece whose layout is read": Toy(
+        (Q, K, V, "w = 2.0 if k.is_contiguous() else 1.0"), ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIECES))
+def test_pieces_without_their_copies_fail(tmp_path, monkeypatch, name):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    slug = "".join(c if c.isalnum() else "_" for c in name)
+    dotted = oracle.write_toy(tmp_path, "piece_cases", f"case_{slug}", PIECES[name])
+    try:
+        kept = oracle.verdict(dotted, "fused_on", validate=False)
+        assert kept == "sound", f"with the copies: {kept}"
+        monkeypatch.setattr(pieces, "COPIES", False)
+        without = oracle.verdict(dotted, "fused_off", validate=False)
+    finally:
+        oracle.forget("piece_cases")
+    assert without.startswith(("miscompile", "crash")), f"without the copies: {without}"

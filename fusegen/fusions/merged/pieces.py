@@ -30,6 +30,11 @@ from fusegen.core import vocabulary
 from fusegen.core.astutil import enclosing_loop_or_scope, parent_map, self_attr
 from fusegen.fusions.merged import dataflow, live, lookup, region_rules
 
+COPIES: bool = True
+"""Whether the rewrite gives pieces the copies above. Only the mutation tests (to show the copies are needed) and
+`bench/piece_copies.py` (to measure what they cost) switch it off; a build with it off may emit a model that raises
+where the original runs."""
+
 LAYOUT_METHODS = frozenset({"stride", "is_contiguous", "data_ptr", "storage_offset", "untyped_storage", "storage"})
 """Tensor methods whose result depends on the layout, where a split piece differs from a projection output."""
 

@@ -144,7 +144,9 @@ def region_findings(
 
 def check_context(funcdef, region, projection_calls, namespace, local):
     """Refuse (`ambient-context`) a projection inside a `with` the region opens unless every item is harmless, a
-    `with` of the region whose items are not known to restore what they change, and a state-switching call."""
+    `with` of the region whose items are not known to restore what they change, and a state-switching call other
+    than the item of such a `with` (`with torch.set_grad_enabled(False):` around no projection: the call switches,
+    the `with` restores on exit, the later projections run under the state they found)."""
     parent_of = parent_map(funcdef)
     inside = {id(node) for node in dataflow.region_nodes(region)}
     holding: set[int] = set()
@@ -161,16 +163,24 @@ def check_context(funcdef, region, projection_calls, namespace, local):
                             call,
                         )
             node = parent_of.get(node)
+    restoring_items = {
+        id(item.context_expr)
+        for node in dataflow.region_nodes(region)
+        if isinstance(node, (ast.With, ast.AsyncWith))
+        for item in node.items
+        if _context_of(item.context_expr, namespace, local) in RESTORING_CONTEXTS
+    }
     for node in dataflow.region_nodes(region):
         if isinstance(node, (ast.With, ast.AsyncWith)) and id(node) not in holding:
             for item in node.items:
-                if _context_of(item.context_expr, namespace, local) not in RESTORING_CONTEXTS:
+                if id(item.context_expr) not in restoring_items:
                     yield Refused(
                         "ambient-context",
                         f"`with {ast.unparse(item)}` may change state it does not restore before the next projection",
                         node,
                     )
-        if isinstance(node, ast.Call) and lookup.call_name(node) in STATE_CALLS:
+        # `with torch.set_grad_enabled(False):` switches as it is called, and its `with` switches back on exit
+        if isinstance(node, ast.Call) and lookup.call_name(node) in STATE_CALLS and id(node) not in restoring_items:
             yield Refused(
                 "ambient-context", f"`{ast.unparse(node)}` may switch the state the later projections run under", node
             )
@@ -382,6 +392,7 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
         for node in dataflow.region_nodes(region)
         if isinstance(node, ast.withitem) and _context_of(node.context_expr, namespace, local) in RESTORING_CONTEXTS
     }
+    lambdas = local_lambdas(funcdef, namespace, local)
     for call in (node for node in dataflow.region_nodes(region) if isinstance(node, ast.Call)):
         if id(call) in skip or id(call) in entered:
             continue
@@ -389,9 +400,72 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
             _rooted_in(call.func.value, trusted) or _narrowed(call, call.func.value, parent_of, namespace)
         ):
             continue  # a method of a Transformers object handed in (a cache): `transformers_typed`
-        reason = _unproven_call(call, tensors, kwargs, module, namespace, local, trusted, parameters)
+        if isinstance(call.func, ast.Name) and call.func.id in lambdas:
+            reason = _unproven_function(lambdas[call.func.id])
+        else:
+            reason = _unproven_call(call, tensors, kwargs, module, namespace, local, trusted, parameters)
         if reason:
             yield Refused("region-call", f"`{ast.unparse(call)}` {reason}", call)
+
+
+def local_lambdas(funcdef: ast.FunctionDef, namespace: dict, local: set[str]) -> dict[str, types.FunctionType]:
+    """The local names bound to a lambda whose call `region-call` can judge as it judges a module-level function,
+    each with that lambda made as a function of the module (its `__globals__` the module's namespace).
+
+    A name qualifies when its one binding in the whole forward is a statement `f = lambda ...: ...` of the forward's
+    own body (no other assignment, `del`, loop or `with` target, parameter, nested def or class, import, `except`
+    name, match capture, `global`/`nonlocal` anywhere, nested scopes included), and the lambda has no default
+    values (evaluating it then runs no code) and reads none of the forward's local names (it captures no state of
+    the frame: every free name it reads is a global or builtin, as for a module-level function). Then every call of
+    the name runs that lambda's code, reading only its arguments and the module's globals, exactly as the function
+    returned here would, so `effect_free` on it is `effect_free` on what runs. Reflection that could rebind the name
+    (`locals()`, frames) is refused by `reflection` and `frame-access` on its own."""
+    counts: dict[str, int] = {}
+
+    def bound(name: str) -> None:
+        counts[name] = counts.get(name, 0) + 1
+
+    for node in ast.walk(funcdef):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound(node.id)
+        elif isinstance(node, ast.arg):
+            bound(node.arg)
+        elif (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and node is not funcdef
+            or isinstance(node, ast.ExceptHandler)
+            and node.name
+        ):
+            bound(node.name)
+        elif isinstance(node, ast.alias):
+            bound((node.asname or node.name).split(".")[0])
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            bound(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            bound(node.rest)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            for name in node.names:
+                counts[name] = counts.get(name, 0) + 2
+    found = {}
+    for stmt in funcdef.body:
+        if not (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+            and isinstance(stmt.value, ast.Lambda)
+            and counts.get(stmt.targets[0].id) == 1
+        ):
+            continue
+        lam = stmt.value
+        if lam.args.defaults or any(default is not None for default in lam.args.kw_defaults):
+            continue
+        own = {arg.arg for arg in ast.walk(lam.args) if isinstance(arg, ast.arg)}
+        read = {n.id for n in ast.walk(lam.body) if isinstance(n, ast.Name)}
+        if (read - own) & local:
+            continue
+        # evaluating a lambda without defaults only makes the function object: no code of the case runs here
+        found[stmt.targets[0].id] = eval(compile(ast.Expression(lam), "<local lambda>", "eval"), namespace)
+    return found
 
 
 def tensor_names(funcdef, tracked, fresh, module, namespace, trusted=frozenset()) -> set[str]:

@@ -314,7 +314,7 @@ def detach_written_pieces(
     )
     namespace = vars(sys.modules[type(module).__module__]) if module is not None else {}
     treated = []
-    for temp in temps:
+    for temp in temps if pieces.COPIES else ():
         tracked = dataflow.aliases(funcdef, {temp}, module)
         views = pieces.view_names(funcdef, temp)
         if (

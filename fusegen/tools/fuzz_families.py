@@ -1,0 +1,446 @@
+"""Differential fuzzing of issue 24's families: random hazardous forwards, each with a safe twin, judged by running.
+
+    python -m fusegen.tools.fuzz_families --pairs 40 [--seed 0]     (or: python bench/fuzz_families.py ...)
+
+Each draw (`draw_pair`) is one family's hazard and its safe twin, toy blocks (`fusegen.tools.oracle.Toy`) whose q/k/v
+calls come in a random order, with safe filler statements at random places and the hazard in a random spelling:
+
+- `context`: a `with` around some projections but not all (grad modes, autocast in several spellings, an `ExitStack`
+  it is entered through, saved-tensor hooks, a torch function or dispatch mode), or a state switch by call
+  (`set_grad_enabled(False)`, `mode.__enter__()`, ...) inside the region. Twin: every projection in the same
+  `with`; a restoring context closed around a non-projection statement; a profiler label; the switch outside.
+- `alias`: the caller (a pre-hook on the block) hands the block's input under a second name: another parameter,
+  `*args`, `**kwargs`, a list or dict, the block's own buffer, an attribute it primes, a global registry; the region
+  writes that name in place (method, `+=`, item store, `out=`, `operator`, `inplace=`, `torch.nn.init`). Twin: the
+  same write before the first or after the last projection, or a read or a fresh copy of a tensor-typed parameter.
+- `identity`: the projections reached other than as `self.<proj>` (`_modules`, `getattr` with a computed name,
+  `attrgetter`, a helper handed `self`, a property, `get_submodule`, `parameters()`, `state_dict()`, `hasattr`,
+  `vars`, a global hook registered in forward), anywhere in forward. Twin: the same spellings reaching a plain
+  attribute, a property or helper that names no projection, outside the region.
+- `pieces`: a piece that escapes (stored on self and written by a hook or later, handed to user functions and
+  modules, written in place through a list, returned and written by the caller) or is flattened across rows with
+  `.view()` or has its layout observed. Both are expected fused (escaping pieces are copied), the twin without
+  copies: `.reshape`, `.view` by heads, pure torch functions and modules, a piece cloned before it is written.
+
+Every case is built with validation off and on (`fusegen.compiler.build.build`) and judged by
+`fusegen.tools.oracle.verdict` (logits and gradients; eval and train; with and without bf16 autocast; each value of
+the forward-only `flag`). A hazard must be refused or sound, a twin must be fused and sound; `report` prints the
+figures by family, the twins refused and every miscompile or crash (must be 0). tests/test_fuzz.py runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import transformers
+
+from fusegen.errors import EXIT_DRIFT, EXIT_OK
+from fusegen.tools.oracle import Toy, forget, judge, write_toy
+
+CALLS = {"q": "q = self.q_proj(x)", "k": "k = self.k_proj(x)", "v": "v = self.v_proj(x)"}
+FILLERS = (
+    "f0 = x.shape[-1] + x.size(0)",
+    "f1 = torch.sigmoid(x)",
+    "f2 = x.detach().mean()",
+    "f3 = torch.cat([x, x], -1)[..., :16]",
+)
+"""Safe statements (the fuzzer's `safe` family) dropped at random places, in every case alike."""
+FLOAT_RETURN = "return q.float() + torch.cat([k.float(), v.float()], dim=-1)"
+W_RETURN = "return q * w + torch.cat([k, v], dim=-1)"
+LAYER = "        "
+
+# --- context --------------------------------------------------------------------------------------------------------
+
+CONTEXTS = {
+    "no_grad": "torch.no_grad()",
+    "inference_mode": "torch.inference_mode()",
+    "enable_grad": "torch.enable_grad()",
+    "set_grad_enabled": "torch.set_grad_enabled(False)",
+    "grad_by_flag": "torch.set_grad_enabled(not self.flag)",
+    "autocast": 'torch.autocast("cpu", dtype=torch.bfloat16)',
+    "autocast_keywords": 'torch.autocast(device_type="cpu", dtype=torch.bfloat16)',
+    "amp_autocast": 'torch.amp.autocast("cpu", dtype=torch.bfloat16)',
+    "autocast_by_flag": 'torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.flag)',
+    "autocast_off": 'torch.autocast("cpu", enabled=False)',
+    "saved_tensor_hooks": "torch.autograd.graph.saved_tensors_hooks(keep, halve)",
+    "function_mode": "Doubling()",
+    "dispatch_mode": "Rounding()",
+}
+"""`with` items that change numerics or autograd (`Doubling`, `Rounding`, `keep`, `halve`: `oracle.HELPERS`)."""
+RESTORING = tuple(name for name in CONTEXTS if not name.endswith("_mode") or name == "inference_mode")
+"""The torch contexts that restore what they switched on exit (a closed one around no projection is harmless)."""
+SWITCHES = {
+    "set_grad_enabled_call": ("was = torch.is_grad_enabled()\ntorch.set_grad_enabled(False)", "torch.set_grad_enabled(was)"),
+    "no_grad_entered": ("ctx = torch.no_grad()\nctx.__enter__()", "ctx.__exit__(None, None, None)"),
+    "autocast_entered": (
+        'ac = torch.autocast("cpu", dtype=torch.bfloat16)\nac.__enter__()', "ac.__exit__(None, None, None)"
+    ),
+    "mode_entered": ("mode = Doubling()\nmode.__enter__()", "mode.__exit__(None, None, None)"),
+    "exit_stack_opened": (
+        'stack = contextlib.ExitStack()\nstack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))',
+        "stack.close()",
+    ),
+}  # fmt: skip
+"""State switches by call: (switch on, switch back)."""
+LABELS = ('torch.profiler.record_function("piece")', "contextlib.nullcontext()")
+
+# --- alias ----------------------------------------------------------------------------------------------------------
+
+ALIASES = {
+    "second_parameter": ("x, y", "lambda m, args: (args[0], args[0])", "y"),
+    "varargs": ("x, *rest", "lambda m, args: (args[0], args[0])", "rest[0]"),
+    "list_parameter": ("x, states", "lambda m, args: (args[0], [args[0]])", "states[0]"),
+    "dict_parameter": ("x, bag", "lambda m, args: (args[0], {'h': args[0]})", 'bag["h"]'),
+    "kwargs": ("x, **extra", "lambda m, args, kwargs: (args, {'mirror': args[0]})", 'extra["mirror"]'),
+    "own_buffer": ("x", "lambda m, args: (m.state,)", "self.state"),
+    "primed_attribute": ("x", "lambda m, args: setattr(m, 'mirror', args[0])", "self.mirror"),
+    "global_registry": ("x", "lambda m, args: REGISTRY.append(args[0])", "REGISTRY[-1]"),
+}
+"""(signature, the block's pre-hook the caller installs, the second name the input arrives under)."""
+WRITES = (
+    "{a}.mul_(2.0)",
+    "{a} += 1.0",
+    "{a}[..., 0] = 0.0",
+    "torch.mul({a}, 2.0, out={a})",
+    "operator.imul({a}, 2.0)",
+    "{a}.copy_({a} * 3.0)",
+    "F.relu({a}, inplace=True)",
+    "{a}.clamp_(min=0.0)",
+    "torch.nn.init.zeros_({a})",
+)
+ALIAS_INIT = (
+    "        self.register_buffer('state', torch.ones(2, 5, 16))\n        self.mirror = torch.zeros(2, 5, 16)\n"
+)
+TYPED_READS = (
+    "n = y.sum()",
+    "n = y.abs().amax()",
+    "t = y.clone()\nt.mul_(2.0)",
+    "buf = torch.empty_like(y)\nbuf.fill_(0.5)",
+)
+
+# --- identity -------------------------------------------------------------------------------------------------------
+
+REACHES = {
+    "modules_dict": 'w = self._modules["{p}_proj"].weight.sum()',
+    "getattr_computed": 'w = getattr(self, "{p}" + "_proj").weight.sum()',
+    "getattr_name": 'name = "{p}_proj"\nw = getattr(self, name).weight.sum()',
+    "attrgetter": 'w = operator.attrgetter("{p}_proj.weight")(self).sum()',
+    "helper_handed_self": "w = peek(self)",
+    "property": "w = self.v_rows",
+    "get_submodule": 'w = self.get_submodule("{p}_proj").weight.sum()',
+    "first_parameter": "w = next(self.parameters()).shape[0]",
+    "named_children": "w = len(dict(self.named_children()))",
+    "state_dict": 'w = self.state_dict()["{p}_proj.weight"].sum()',
+    "hasattr": 'w = 1.0 if hasattr(self, "{p}_proj") else 2.0',
+    "vars": 'w = vars(self)["_modules"]["{p}_proj"].weight.sum()',
+    "hook_in_forward": "w = 1.0\nhandle = torch.nn.modules.module.register_module_forward_hook(double_plain_linears)",
+}
+"""Each binds `w`; `hook_in_forward` is removed again after the last projection."""
+PLAIN_REACHES = {
+    "getattr_plain": ('w = getattr(self, "hidden_size") / 16', False),
+    "property_plain": ("w = self.width", False),
+    "helper_plain": ("w = block_width(self)", True),
+    "flag": ("w = 2.0 if self.flag else 1.0", False),
+}
+"""(statement, whether it must stand outside the region: a callee handed `self` in the region is refused)."""
+V_ROWS = "    @property\n    def v_rows(self):\n        return self.v_proj.out_features\n"
+WIDTH = "    @property\n    def width(self):\n        return self.hidden_size / 16\n"
+"""The block's properties, each only in the cases that read it (a method naming a projection is refused anyway:
+`escaping-reference`)."""
+
+# --- pieces ---------------------------------------------------------------------------------------------------------
+
+ESCAPES = {
+    "stored_written_by_hook": ("self.seen = {p}", "self.block.register_forward_hook(lambda m, a, out: [m.seen.mul_(2.0)] and None)"),
+    "stored_then_written": ("self.seen = {p}\nself.seen.mul_(2.0)", ""),
+    "user_function": ("{p} = scale_in_place({p})", ""),
+    "user_module_keeps": ("{p} = self.keeper({p})\nself.keeper.kept.add_(1.0)", ""),
+    "inplace_activation": ("{p} = self.act_ip({p})", ""),
+    "user_module_writes": ("{p} = self.mut({p})", ""),
+    "listed_then_written": ("held = [{p}]\nheld[0].mul_(2.0)", ""),
+    "view_flat": ("{p} = {p}.view(-1).view_as({p})", ""),
+    "view_rows": ("{p} = {p}.view({p}.shape[0], -1).view_as({p})", ""),
+    "view_fixed_rows": ("{p} = {p}.view(10, -1).view_as({p})", ""),
+    "contiguity_observed": ("w = 2.0 if {p}.is_contiguous() else 1.0", ""),
+    "stride_observed": ("w = float({p}.stride(0))", ""),
+}  # fmt: skip
+"""(statements after the piece's projection, a `ToyLayer.__init__` line)."""
+RETURNED = "self.block.register_forward_hook(lambda m, a, out: out.mul_(2.0))"
+"""`returned_written_by_caller`: the block returns the q piece itself, and the caller's hook writes it in place."""
+PLAIN_PIECES = (
+    "{p} = {p}.reshape(-1).view_as({p})",
+    "{p} = {p}.view(x.shape[0], x.shape[1], 2, -1).flatten(2)",
+    "{p} = torch.sigmoid({p})",
+    "{p} = F.silu({p}) * 2.0",
+    "{p} = self.act({p})",
+    "{p} = {p}.clone()\n{p}.mul_(2.0)",
+)
+PIECE_INIT = (
+    "        self.keeper = Keeper()\n        self.act_ip = nn.ReLU(inplace=True)\n        self.mut = Mutator()\n"
+    "        self.act = nn.Tanh()\n"
+)
+
+
+@dataclass(frozen=True)
+class Pair:
+    family: str
+    spelling: str
+    hazard: Toy
+    twin: Toy
+
+
+FAMILY_NAMES = ("context", "alias", "identity", "pieces")
+
+
+class Draw:
+    """The random choices of one pair, from `choose(options)` and `integer(low, high)` (as `fuzz.draw_case`)."""
+
+    def __init__(self, choose, integer):
+        self.choose, self.integer = choose, integer
+
+    def order(self) -> list[str]:
+        names = ["q", "k", "v"]
+        for index in range(2, 0, -1):
+            other = self.integer(0, index)
+            names[index], names[other] = names[other], names[index]
+        return names
+
+    def body(self, slots: list[list[str]], order: list[str]) -> tuple[str, ...]:
+        """The calls in `order` with `slots[i]` before call i (`slots[3]` after the last), fillers sprinkled in."""
+        for _ in range(self.integer(0, 2)):
+            self.choose(slots).insert(0, self.choose(FILLERS))
+        lines = []
+        for index, name in enumerate(order):
+            lines += [*slots[index], CALLS[name]]
+        return tuple(lines + slots[3])
+
+
+def draw_pair(choose, integer, family: str | None = None) -> Pair:
+    """A hazard of `family` (drawn when None) and its safe twin."""
+    draw = Draw(choose, integer)
+    family = family or choose(FAMILY_NAMES)
+    return {"context": _context, "alias": _alias, "identity": _identity, "pieces": _pieces}[family](draw)
+
+
+def _wrapped(item: str, calls: list[str], stack: bool, after: list[str]) -> str:
+    inner = [f"stack.enter_context({item})", *calls] if stack else calls
+    head = "with contextlib.ExitStack() as stack:" if stack else f"with {item}:"
+    return "\n".join([head, *("    " + line for call in inner for line in call.split("\n")), *after])
+
+
+def _context(draw: Draw) -> Pair:
+    order = draw.order()
+    if draw.integer(0, 2) == 0:  # a state switch by call
+        spelling = draw.choose(sorted(SWITCHES))
+        on, off = SWITCHES[spelling]
+        start = draw.integer(0, 2)
+        end = draw.integer(max(start, 1), 3) if start else draw.integer(1, 2)  # one of them inside the region
+        slots = [[], [], [], []]
+        slots[start].append(on)
+        slots[end].append(off)
+        hazard = Toy(draw.body(slots, order), ret=FLOAT_RETURN)
+        side = draw.choose((0, 3))
+        twin_slots = [[], [], [], []]
+        twin_slots[side] += [on, draw.choose(FILLERS), off]
+        return Pair("context", spelling, hazard, Toy(draw.body(twin_slots, order), ret=FLOAT_RETURN))
+    name = draw.choose(sorted(CONTEXTS))
+    item, stack = CONTEXTS[name], draw.integer(0, 3) == 0
+    first = draw.integer(0, 2)
+    count = draw.integer(1, 2 if first < 2 else 1)
+    if first == 0 and count == 2 and draw.integer(0, 1):
+        first = 1  # also wrap the last two calls
+    wrapped = [CALLS[p] for p in order[first : first + count]]
+    clones = [f"{p} = {p}.clone()" for p in order[first : first + count]] if name == "inference_mode" else []
+    lines = [CALLS[p] for p in order]
+    body = [*lines[:first], _wrapped(item, wrapped, stack, clones), *lines[first + count :]]
+    hazard = Toy(tuple(body), ret=FLOAT_RETURN)
+    spelling = ("exit_stack_" if stack else "with_") + name
+    kind = draw.integer(0, 2)
+    if kind == 0:  # every projection under the one context
+        clones = [f"{p} = {p}.clone()" for p in order] if name == "inference_mode" else []
+        twin_body = (_wrapped(item, lines, stack, clones),)
+    elif kind == 1:  # a restoring context closed around something else, in the region
+        closed = _wrapped(CONTEXTS[draw.choose(RESTORING)], [draw.choose(FILLERS)], False, [])
+        twin_body = tuple(lines[:1] + [closed] + lines[1:])
+    else:  # a profiler label or a null context around one projection
+        twin_body = tuple(lines[:first] + [_wrapped(draw.choose(LABELS), lines[first : first + 1], False, [])])
+        twin_body += tuple(lines[first + 1 :])
+    return Pair("context", spelling, hazard, Toy(twin_body, ret=FLOAT_RETURN))
+
+
+def _pre_hook(hook: str) -> str:
+    keywords = ", with_kwargs=True" if "kwargs" in hook else ""
+    return f"{LAYER}self.block.register_forward_pre_hook({hook}{keywords})"
+
+
+def _alias(draw: Draw) -> Pair:
+    order = draw.order()
+    spelling = draw.choose(sorted(ALIASES))
+    signature, hook, name = ALIASES[spelling]
+    write = draw.choose(WRITES).format(a=name)
+    slots = [[], [], [], []]
+    slots[draw.integer(1, 2)].append(write)
+    hazard = Toy(draw.body(slots, order), init=ALIAS_INIT, layer=_pre_hook(hook), signature=signature)
+    if spelling == "second_parameter" and draw.integer(0, 1):  # a tensor-typed second name, only read or copied
+        slots = [[], [], [], []]
+        slots[draw.integer(1, 2)].append(draw.choose(TYPED_READS))
+        twin = Toy(draw.body(slots, order), init=ALIAS_INIT, layer=_pre_hook(hook), signature="x, y: torch.Tensor")
+        return Pair("alias", f"{spelling}: {write}", hazard, twin)
+    slots = [[], [], [], []]
+    slots[draw.choose((0, 3))].append(write)
+    twin = Toy(draw.body(slots, order), init=ALIAS_INIT, layer=_pre_hook(hook), signature=signature)
+    return Pair("alias", f"{spelling}: {write}", hazard, twin)
+
+
+def _identity(draw: Draw) -> Pair:
+    order = draw.order()
+    spelling = draw.choose(sorted(REACHES))
+    reach = REACHES[spelling].format(p=draw.choose(("q", "k", "v")))
+    slots = [[], [], [], []]
+    slots[draw.integer(0, 3)].append(reach)
+    if spelling == "hook_in_forward":
+        slots[3].append("handle.remove()")
+    hazard = Toy(draw.body(slots, order), members=V_ROWS if spelling == "property" else "", ret=W_RETURN)
+    plain = draw.choose(sorted(PLAIN_REACHES))
+    statement, outside = PLAIN_REACHES[plain]
+    slots = [[], [], [], []]
+    slots[draw.choose((0, 3)) if outside else draw.integer(0, 3)].append(statement)
+    twin = Toy(draw.body(slots, order), members=WIDTH if plain == "property_plain" else "", ret=W_RETURN)
+    return Pair("identity", spelling, hazard, twin)
+
+
+def _after(draw: Draw, order: list[str], piece: str, lines: str) -> list[list[str]]:
+    """Slots with `lines` somewhere after `piece`'s call."""
+    slots = [[], [], [], []]
+    slots[draw.integer(order.index(piece) + 1, 3)].append(lines)
+    slots[0].insert(0, "w = 1.0")
+    return slots
+
+
+def _pieces(draw: Draw) -> Pair:
+    order = draw.order()
+    piece = draw.choose(("q", "k", "v"))
+    if draw.integer(0, 12) == 0:
+        spelling = "returned_written_by_caller"
+        slots = [["w = 1.0"], [], [], []]
+        hazard = Toy(draw.body(slots, order), init=PIECE_INIT, layer=LAYER + RETURNED, ret="return q * w")
+    else:
+        spelling = draw.choose(sorted(ESCAPES))
+        lines, layer = ESCAPES[spelling]
+        slots = _after(draw, order, piece, lines.format(p=piece))
+        hazard = Toy(draw.body(slots, order), init=PIECE_INIT, layer=LAYER + layer if layer else "", ret=W_RETURN)
+    slots = _after(draw, order, piece, draw.choose(PLAIN_PIECES).format(p=piece))
+    return Pair("pieces", f"{spelling} ({piece})", hazard, Toy(draw.body(slots, order), init=PIECE_INIT, ret=W_RETURN))
+
+
+# --- running --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FamilyFigures:
+    pairs: int = 0
+    outcomes: Counter = field(default_factory=Counter)
+    """(family, role, validation, outcome) -> count; outcome is refused, sound, invalid, miscompile or crash."""
+    failures: list[str] = field(default_factory=list)
+    """Every miscompile and crash, with its case."""
+    twins_refused: list[str] = field(default_factory=list)
+    refusals: Counter = field(default_factory=Counter)
+    """(family, role, rule) -> how many refused cases the rule fired in (either validation mode)."""
+    invalid: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, pair: Pair, role: str, validate: bool, toy: Toy, result: str, rules=()) -> None:
+        mode = "validation on" if validate else "validation off"
+        outcome = result.split(" ", 1)[0].rstrip(":")
+        self.outcomes[(pair.family, role, mode, outcome)] += 1
+        if outcome == "refused":
+            self.refusals.update((pair.family, role, rule) for rule in rules)
+        where = f"[{pair.family} {role} {pair.spelling}, {mode}] {result} {list(rules)}\n{toy.describe()}"
+        if outcome in ("miscompile", "crash"):
+            self.failures.append(where)
+        elif outcome == "invalid":
+            self.invalid.append(where)
+        elif role == "twin" and (outcome == "refused" or rules):  # refused, or some of its projections are
+            self.twins_refused.append(where)
+
+    def count(self, family=None, role=None, mode=None, outcome=None) -> int:
+        wanted = (family, role, mode, outcome)
+        return sum(n for key, n in self.outcomes.items() if all(w is None or w == k for w, k in zip(wanted, key)))
+
+    def report(self) -> str:
+        lines = [f"pairs: {self.pairs} (a hazard and its safe twin each, built with validation off and on)"]
+        for family in FAMILY_NAMES:
+            for role in ("hazard", "twin"):
+                for mode in ("validation off", "validation on"):
+                    figures = ", ".join(
+                        f"{outcome} {self.count(family, role, mode, outcome)}"
+                        for outcome in ("refused", "sound", "miscompile", "crash", "invalid")
+                    )
+                    lines.append(f"  {family:8} {role:6} {mode:14}: {figures}")
+        lines.append("refusals by rule (family role: rule count):")
+        lines += [f"  {f} {r}: {rule} {n}" for (f, r, rule), n in sorted(self.refusals.items())]
+        lines += [
+            f"miscompiles and crashes: {len(self.failures)}",
+            f"safe twins refused: {len(self.twins_refused)} of {self.count(role='twin')}",
+            f"invalid (the original runs in no mode): {len(self.invalid)}",
+            f"seconds: {self.seconds:.1f}",
+        ]
+        return "\n".join(lines)
+
+
+def check_pair(root: Path, package: str, index: int, pair: Pair, figures: FamilyFigures, modes=(False, True)):
+    """Write, build and judge the pair's two cases under each validation mode in `modes`, into `figures`."""
+    try:
+        for role, toy in (("hazard", pair.hazard), ("twin", pair.twin)):
+            dotted = write_toy(root, package, f"case_{index}_{role}", toy)
+            for validate in modes:
+                fused_name = f"fused_{index}_{role}_{'v' if validate else 'a'}"
+                figures.add(pair, role, validate, toy, *judge(dotted, fused_name, validate))
+    finally:
+        forget(package)
+
+
+def run(pairs: int, seed: int = 0, workdir: Path | None = None, modes=(False, True)) -> FamilyFigures:
+    """`pairs` pairs drawn with `random.Random(seed)`, the families in turn; returns the figures."""
+    import random
+
+    rng = random.Random(seed)
+    figures = FamilyFigures()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(workdir or scratch)
+        sys.path.insert(0, str(root))
+        try:
+            for index in range(pairs):
+                pair = draw_pair(rng.choice, rng.randint, FAMILY_NAMES[index % len(FAMILY_NAMES)])
+                check_pair(root, "family_cases", index, pair, figures, modes)
+                figures.pairs += 1
+        finally:
+            sys.path.remove(str(root))
+    figures.seconds = time.perf_counter() - start
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    transformers.utils.logging.set_verbosity_error()
+    figures = run(args.pairs, args.seed)
+    print(figures.report())
+    for failure in figures.failures[:5]:
+        print("\nFAILURE:", failure)
+    for refused in figures.twins_refused:
+        print("\nTWIN REFUSED:", refused)
+    return EXIT_DRIFT if figures.failures else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
