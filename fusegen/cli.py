@@ -61,6 +61,20 @@ _HEAD_HELP = (
 )
 
 
+_MAPPINGS = (
+    "image-text-to-text",
+    "multimodal-lm",
+    "causal-lm",
+    "seq2seq-lm",
+    "speech-seq2seq",
+    "text-encoding",
+    "masked-lm",
+    "dual-encoder",
+)
+"""`fusegen.compiler.resolve.UNIVERSE`, spelled here so that building the parser imports no compiler (and torch);
+tests/test_cli.py holds the two equal."""
+
+
 def make_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     loudness = common.add_mutually_exclusive_group()
@@ -79,7 +93,19 @@ def make_parser() -> argparse.ArgumentParser:
     build.add_argument("--output-dir", type=Path, default=Path("generated"), metavar="DIR")
     build.add_argument("--check", action="store_true", help="write nothing; exit 1 if DIR is out of date")
     build.add_argument("--diff", action="store_true", help="write nothing; print the diff of each stale file")
-    build.add_argument("--all", action="store_true", help="every causal-LM model type of the installed Transformers")
+    build.add_argument(
+        "--all",
+        action="store_true",
+        help="every model type of every mapping fusegen accepts (each through its default head), or of --mapping",
+    )
+    build.add_argument(
+        "--mapping",
+        choices=_MAPPINGS,
+        default=None,
+        metavar="MAPPING",
+        help=f"with --all: the model types one Auto mapping registers, each built through that mapping's class "
+        f"({', '.join(_MAPPINGS)})",
+    )
     build.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes for --all (default 1)")
     build.add_argument("--head", default=None, metavar="HEAD", help=_HEAD_HELP)
     build.set_defaults(handler=_build)
@@ -102,8 +128,13 @@ def make_parser() -> argparse.ArgumentParser:
     report.add_argument("--head", default=None, metavar="HEAD", help=_HEAD_HELP)
     report.set_defaults(handler=_report)
 
-    listing = commands.add_parser("list", parents=[common], help="model types and what fusegen made of them")
+    listing = commands.add_parser(
+        "list", parents=[common], help="model types per mapping, their default head, and what fusegen made of them"
+    )
     listing.add_argument("--output-dir", type=Path, default=None, metavar="DIR", help="default: generated")
+    listing.add_argument(
+        "--mapping", choices=_MAPPINGS, default=None, metavar="MAPPING", help="only this mapping's model types"
+    )
     listing.set_defaults(handler=_list)
 
     from fusegen.tools import convert, export, verify
@@ -126,6 +157,8 @@ def _build(args, console: Console) -> int:
     from fusegen.compiler.build import build
     from fusegen.compiler.writer import drift, output_path, recorded_targets, write_atomic
 
+    if args.mapping is not None and not args.all:
+        raise InputError("--mapping selects the model types of --all; name TARGETs (`TYPE:HEAD`) without it")
     if args.all:
         if args.targets or args.check or args.diff:
             raise InputError("--all takes no TARGET and cannot be combined with --check or --diff")
@@ -197,27 +230,40 @@ def _summary(result) -> str:
     return summary + ", see the file header" if "refused" in summary else summary
 
 
+def all_targets(mapping: str | None) -> list[str]:
+    """What `build --all` builds: every model type of the universe through its default head, or, with `mapping`,
+    every type that mapping registers through that mapping's class (`TYPE:HEAD` where that is not the default)."""
+    from fusegen.compiler.resolve import mapping_target, model_types
+
+    if mapping is None:
+        return model_types()
+    return [mapping_target(model_type, mapping) for model_type in model_types(mapping)]
+
+
 def _build_all(args, console: Console) -> int:
-    from fusegen.compiler.resolve import causal_lm_types
     from fusegen.compiler.writer import output_path, write_atomic
     from fusegen.tools.sweep import sweep
 
     if args.jobs < 1:
         raise InputError(f"--jobs must be at least 1, got {args.jobs}")
     start = time.perf_counter()
-    model_types = causal_lm_types()
+    model_types = all_targets(args.mapping)
     width = len(str(len(model_types)))
     summary: dict[str, dict] = {}
     for done, entry in enumerate(sweep(model_types, args.jobs), start=1):
         detail = entry.summary or entry.error.strip().splitlines()[-1]
         if entry.text is not None:
-            write_atomic(output_path(args.output_dir, entry.model_type), entry.text)
+            write_atomic(output_path(args.output_dir, entry.file_stem), entry.text)
         summary[entry.model_type] = {"status": entry.status, "detail": detail}
         console.info(f"[{done:>{width}}/{len(model_types)}] {entry.model_type}: {entry.status}: {detail}")
     counts = {status: sum(1 for e in summary.values() if e["status"] == status) for status in _STATUSES}
     totals = ", ".join(f"{count} {status}" for status, count in counts.items())
     path = args.output_dir / SWEEP_SUMMARY
-    write_atomic(path, json.dumps(dict(sorted(summary.items())), indent=1, sort_keys=True) + "\n")
+    try:  # a sweep of one mapping keeps what others recorded; a damaged record is replaced
+        recorded = _read_sweep(path)
+    except InputError:
+        recorded = {}
+    write_atomic(path, json.dumps(dict(sorted({**recorded, **summary}.items())), indent=1, sort_keys=True) + "\n")
     console.info(f"{len(model_types)} model types in {time.perf_counter() - start:.1f} s ({args.jobs} jobs): {totals}")
     console.info(f"outcomes saved to {path} (read by `fusegen list`)")
     return EXIT_ERROR if counts["crash"] else EXIT_OK
@@ -276,8 +322,14 @@ def _report(args, console: Console) -> int:
 
 
 def _list(args, console: Console) -> int:
-    """Each model type with the outcome on record: a generated file's header, else the last `build --all`."""
-    from fusegen.compiler.resolve import causal_lm_types
+    """The model types of each mapping (or of `--mapping`), each with its default head (the class `fusegen build TYPE`
+    builds) and the outcome on record for that build: a generated file's header, else the last `build --all`.
+
+    One line per mapping (`causal-lm: 196 model types`), then one per type, indented:
+    `  llama: causal-lm LlamaForCausalLM: fused (generated/fused_llama.py)`. A type several mappings register is
+    listed under each, always with its one default head.
+    """
+    from fusegen.compiler.resolve import UNIVERSE, default_head, head_class_name, model_types
     from fusegen.compiler.writer import recorded_targets
 
     if args.output_dir is not None and not args.output_dir.is_dir():
@@ -285,14 +337,18 @@ def _list(args, console: Console) -> int:
     directory = args.output_dir or Path("generated")
     built = {target: path for path, target in recorded_targets(directory).items() if target}
     swept = _read_sweep(directory / SWEEP_SUMMARY)
-    for model_type in causal_lm_types():
-        if model_type in built:
-            outcome = f"fused ({built[model_type]})"
-        elif model_type in swept:
-            outcome = f"{swept[model_type]['status']}: {swept[model_type]['detail']}"
-        else:
-            outcome = "unknown (run `fusegen build --all` or `fusegen report`)"
-        print(f"{model_type}: {outcome}")
+    for mapping in [args.mapping] if args.mapping else UNIVERSE:
+        types = model_types(mapping)
+        print(f"{mapping}: {len(types)} model types")
+        for model_type in types:
+            head = default_head(model_type)
+            if model_type in built:
+                outcome = f"fused ({built[model_type]})"
+            elif model_type in swept:
+                outcome = f"{swept[model_type]['status']}: {swept[model_type]['detail']}"
+            else:
+                outcome = "unknown (run `fusegen build --all` or `fusegen report`)"
+            print(f"  {model_type}: {head} {head_class_name(model_type, head)}: {outcome}")
     return EXIT_OK
 
 

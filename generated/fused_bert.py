@@ -291,7 +291,9 @@ class FusedBertPreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):
             init.zeros_(module.token_type_ids)
 
 
-@auto_docstring(custom_intro="""
+# fmt: off
+@auto_docstring(
+    custom_intro="""
     The model can behave as an encoder (with only self-attention) as well as a decoder, in which case a layer of
     cross-attention is added between the self-attention layers, following the architecture described in [Attention is
     all you need](https://huggingface.co/papers/1706.03762) by Ashish Vaswani, Noam Shazeer, Niki Parmar, Jakob Uszkoreit,
@@ -300,7 +302,8 @@ class FusedBertPreTrainedModel(FusedPreTrainedMixin, PreTrainedModel):
     To behave as an decoder the model needs to be initialized with the `is_decoder` argument of the configuration set
     to `True`. To be used in a Seq2Seq model, the model needs to initialized with both `is_decoder` argument and
     `add_cross_attention` set to `True`; an `encoder_hidden_states` is then expected as an input to the forward pass.
-    """)
+    """
+)
 class FusedBertModel(FusedBertPreTrainedModel):
     _no_split_modules = ["BertEmbeddings", "FusedBertLayer"]
 
@@ -427,6 +430,7 @@ class FusedBertModel(FusedBertPreTrainedModel):
             )
 
         return attention_mask, encoder_attention_mask
+# fmt: on
 
 
 register_stacked_checkpoint(["FusedBertModel"], STACKED_PARAMS_MAPPING, parents={})

@@ -312,9 +312,12 @@ class FusedSiglipEncoder(nn.Module):
         return BaseModelOutput(last_hidden_state=hidden_states)
 
 
-@auto_docstring(custom_intro="""
+# fmt: off
+@auto_docstring(
+    custom_intro="""
     The vision model from SigLIP without any head or projection on top.
-    """)
+    """
+)
 class FusedSiglipVisionModel(FusedSiglipPreTrainedModel):
     config: SiglipVisionConfig
     main_input_name = "pixel_values"
@@ -382,6 +385,7 @@ class FusedSiglipVisionModel(FusedSiglipPreTrainedModel):
             last_hidden_state=last_hidden_state,
             pooler_output=pooler_output,
         )
+# fmt: on
 
 
 class FusedGemma3MLP(nn.Module):
@@ -729,9 +733,12 @@ class FusedGemma3MultiModalProjector(nn.Module):
         return projected_vision_outputs.type_as(vision_outputs)
 
 
-@auto_docstring(custom_intro="""
+# fmt: off
+@auto_docstring(
+    custom_intro="""
     The Base Gemma3 model which consists of a vision backbone and a language model without language modeling head.,
-    """)
+    """
+)
 class FusedGemma3Model(FusedGemma3PreTrainedModel):
     # we are filtering the logits/labels so we shouldn't divide the loss based on num_items_in_batch
     accepts_loss_kwargs = False
@@ -887,11 +894,15 @@ class FusedGemma3Model(FusedGemma3PreTrainedModel):
         )
 
         return Gemma3ModelOutputWithPast(**outputs, image_outputs=mm_encoder_outputs.get("image"))
+# fmt: on
 
 
-@auto_docstring(custom_intro="""
+# fmt: off
+@auto_docstring(
+    custom_intro="""
     The Base Gemma3 model which consists of a vision backbone and a language model without language modeling head.,
-    """)
+    """
+)
 class FusedGemma3ForConditionalGeneration(FusedGemma3PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -1046,6 +1057,7 @@ class FusedGemma3ForConditionalGeneration(FusedGemma3PreTrainedModel, Generation
             )
 
         return create_masks_for_generate(**mask_kwargs)
+# fmt: on
 
 
 register_stacked_checkpoint(

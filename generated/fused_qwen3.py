@@ -135,6 +135,7 @@ class FusedQwen3MLP(nn.Module):
         return down_proj
 
 
+# fmt: off
 @use_kernelized_func(apply_rotary_pos_emb)
 class FusedQwen3Attention(nn.Module):
     """Multi-headed attention from 'Attention Is All You Need' paper"""
@@ -164,9 +165,7 @@ class FusedQwen3Attention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
         self.q_norm = FusedQwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)  # unlike olmo, only on the head dim!
-        self.k_norm = FusedQwen3RMSNorm(
-            self.head_dim, eps=config.rms_norm_eps
-        )  # thus post q_norm does not need reshape
+        self.k_norm = FusedQwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)  # thus post q_norm does not need reshape
         self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -211,6 +210,7 @@ class FusedQwen3Attention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
+# fmt: on
 
 
 class FusedQwen3DecoderLayer(GradientCheckpointingLayer):

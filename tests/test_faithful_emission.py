@@ -176,23 +176,7 @@ def faithfulness(path: Path) -> dict:
     return figures
 
 
-BLACK_REFLOWS = {"fused_bert", "fused_gemma3"}
-"""Known gap, not a pass: these files' `@auto_docstring(custom_intro=...)` decorators are written by
-Transformers in a layout black reflows, and render returns black's output for the whole file (96.0% and 97.6% of
-untouched lines verbatim). Strict: the test fails once render keeps them verbatim, so this set must shrink then."""
-
-
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            path,
-            marks=pytest.mark.xfail(path.stem in BLACK_REFLOWS, reason="black reflows a decorator", strict=True),
-        )
-        for path in FILES
-    ],
-    ids=lambda p: p.stem,
-)
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_generated_classes_keep_the_original_source(path):
     figures = faithfulness(path)
     share = figures["identical"] / figures["untouched"] if figures["untouched"] else 0.0

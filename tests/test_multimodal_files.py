@@ -138,6 +138,36 @@ def test_the_meta_recording_runs_the_vision_tower_on_an_image():
     assert {"CLIPAttention", "CLIPMLP", "LlamaAttention"} <= reached
 
 
+def test_an_anyres_model_gets_its_base_image_and_the_tiles_of_its_grid():
+    # LLaVA-NeXT reads `(batch, 1 + tiles, channels, size, size)` and counts the tiles from `image_sizes` and the
+    # (shrunk) pinpoints; the original itself runs on the batch and yields image tokens for every sequence.
+    from fusegen.compiler.modal_inputs import anyres_tiles
+
+    target = resolve("llava_next")
+    config = tiny_config(target)
+    original = random_model(target.causal_lm, config).eval()
+    inputs = forward_inputs(original, config, random_input(config))
+    size = config.vision_config.image_size
+    tiles = anyres_tiles(config, size)
+    assert tiles == 2  # a square image's best grid among 1x2, 2x1, 2x2, 3x1, 1x3 tiles: 1x2
+    assert inputs["pixel_values"].shape == (2, 1 + tiles, 3, size, size)
+    assert (inputs["input_ids"] == config.image_token_id).sum(dim=1).min() > 0
+    with torch.no_grad():
+        assert torch.isfinite(original(**inputs).logits).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llava_next", "llava_onevision"])
+def test_anyres_models_verify_with_real_images(model_type):
+    # Before the pinpoints were shrunk, every config of these was `skipped` (the original could not run).
+    from fusegen.compiler.build import build
+
+    result = build(model_type)
+    assert result.text is not None and "self.qkv_proj = MergedColumnLinear(" in result.text
+    statuses = {check.config: check.status for check in result.validation.checks}
+    assert statuses["tiny"] == "passed" and set(statuses.values()) == {"passed"}, result.validation.describe()
+
+
 def test_the_tp_plan_comes_from_the_one_config_that_has_one():
     # Qwen2.5-VL's plan lives in its text config (the composite and vision configs have none); a file whose base
     # models carry two different plans gets no TP_PLAN rather than one plan applied to the other's modules.

@@ -87,3 +87,15 @@ def test_overrides_win():
 def test_rejects_what_is_not_a_config():
     with pytest.raises(ShrinkError, match="config class or instance"):
         shrunk_config(LlamaForCausalLM)
+
+
+@pytest.mark.parametrize("model_type", ["llava_next", "llava_onevision"])
+def test_anyres_pinpoints_are_rescaled_with_the_vision_tile(model_type):
+    # Before, the tiny tower's image size shrank and the pinpoints did not: every grid was hundreds of tiles, and the
+    # original could not run its own tiny config (validation skipped).
+    from transformers import CONFIG_MAPPING
+
+    full, tiny = CONFIG_MAPPING[model_type](), shrunk_config(CONFIG_MAPPING[model_type])
+    old, new = full.vision_config.image_size, tiny.vision_config.image_size
+    assert new < old and all(h % old == 0 and w % old == 0 for h, w in full.image_grid_pinpoints)
+    assert tiny.image_grid_pinpoints == [[h // old * new, w // old * new] for h, w in full.image_grid_pinpoints]

@@ -153,3 +153,57 @@ def test_a_statement_with_a_reason_gets_it_as_a_comment_on_the_line_above(module
     assert lines[at - 1] == "        # fusegen: why this guard is here"
     assert lines[at - 2] == "    def forward(self, x):"
     assert not any("_fusegen_reason_" in line for line in lines)
+
+
+def test_a_raw_string_rename_keeps_its_prefix_and_an_added_base_still_splices(tmp_path):
+    # BartPreTrainedModel: `_no_split_modules = [r"BartEncoderLayer", ...]` and the runtime base added. The raw
+    # literal once failed the token edit, the class was replaced whole from the copy without the added base, and
+    # the base's insertion overlapped that replacement ("overlapping edits", an internal error).
+    path = tmp_path / "raw_names.py"
+    path.write_text(
+        "from torch import nn\n\n\n"
+        "class Block(nn.Module):\n"
+        '    _no_split_modules = [r"Layer"]  # kept\n\n'
+        "    def f(self):\n"
+        "        return  1\n"
+    )
+    loaded = import_file(path, "splice_raw_names")
+    classdef = ast.parse(path.read_text()).body[1]
+    classdef.bases.insert(0, ast.Name("FusedPreTrainedMixin", ast.Load()))
+    classdef.body[0].value.elts[0].value = "FusedLayer"
+    text = class_text("Block", classdef, loaded)
+    assert text == (
+        "class Block(FusedPreTrainedMixin, nn.Module):\n"
+        '    _no_split_modules = [r"FusedLayer"]  # kept\n\n'
+        "    def f(self):\n"
+        "        return  1\n"
+    )
+
+
+def test_a_renamed_literal_the_tokens_cannot_take_splices_the_class_body_not_the_whole_class(tmp_path):
+    # A rename inside a class statement that no token edit can make (a backslash in the new value): the class keeps
+    # its header and every untouched statement's text; only the statement holding the literal is replaced.
+    path = tmp_path / "odd_names.py"
+    path.write_text("class Block:\n    names = ['Layer']  # kept\n\n    def f(self):\n        return  1\n")
+    loaded = import_file(path, "splice_odd_names")
+    classdef = ast.parse(path.read_text()).body[0]
+    classdef.name = "FusedBlock"
+    classdef.body[0].value.elts[0].value = "Fused\\Layer"
+    text = class_text("Block", classdef, loaded)
+    assert (
+        text
+        == 'class FusedBlock:\n    # kept\n    names = ["Fused\\\\Layer"]\n\n    def f(self):\n        return  1\n'
+    )
+
+
+def test_a_class_replaced_whole_gets_its_added_base_in_the_replacement(tmp_path):
+    # When the body cannot be spliced (a changed statement sharing its line, `x = 1; y = 2`), the class is one
+    # replaced statement: its text is formatted from the full rewritten class, added base included, and no separate
+    # insertion overlaps it.
+    path = tmp_path / "one_line_body.py"
+    path.write_text("class Block(object):\n    x = 1; y = 2\n")
+    loaded = import_file(path, "splice_one_line_body")
+    classdef = ast.parse(path.read_text()).body[0]
+    classdef.bases.insert(0, ast.Name("Mixin", ast.Load()))
+    classdef.body[0] = ast.parse("x = 3").body[0]
+    assert class_text("Block", classdef, loaded) == "class Block(Mixin, object):\n    x = 3\n    y = 2\n"

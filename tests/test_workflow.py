@@ -62,10 +62,10 @@ def test_list_reads_outcomes_from_generated_files_and_the_sweep(tmp_path):
     shutil.copy(ROOT / "generated" / "fused_llama.py", tmp_path)
     (tmp_path / "fusegen-sweep.json").write_text('{"xglm": {"status": "fused", "detail": "fused X.kv_proj"}}\n')
     result = run(sys.executable, "-m", "fusegen", "list", "--output-dir", tmp_path, cwd=ROOT)
-    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
-    assert lines["llama"].startswith("fused (")
-    assert lines["xglm"] == "fused: fused X.kv_proj"
-    assert lines["qwen2"].startswith("unknown")
+    lines = dict(line.strip().split(": ", 1) for line in result.stdout.splitlines() if line.startswith("  "))
+    assert lines["llama"].startswith("causal-lm LlamaForCausalLM: fused (")
+    assert lines["xglm"] == "causal-lm XGLMForCausalLM: fused: fused X.kv_proj"
+    assert lines["qwen2"].startswith("causal-lm Qwen2ForCausalLM: unknown")
 
 
 def test_quiet_build_prints_nothing_on_success(tmp_path):

@@ -6,7 +6,8 @@ features, not tokens. `forward_inputs` builds one batch of each, shaped from the
 processor would lay it out:
 
 - images (`pixel_values`): `(batch, channels, size, size)` at the vision config's `image_size`, with `image_sizes`
-  where the forward takes them (Mistral 3, LLaVA-NeXT) and a pixel mask and an images axis where it takes one
+  where the forward takes them (Mistral 3, LLaVA-NeXT; an any-resolution model's `(batch, 1 + tiles, channels,
+  size, size)`, the base image and the tiles of its grid, `anyres_tiles`) and a pixel mask and an images axis where it takes one
   (SmolVLM); for the Qwen-VL family, flattened patches of one `(1, 2m, 2m)` grid per image (`image_grid_thw`, m the
   spatial merge size), so the merger has whole windows to merge.
 - image tokens: as many per image as the vision path yields features (asked of the model itself,
@@ -139,7 +140,23 @@ def image_inputs(model: nn.Module, config, batch: int, generator: torch.Generato
         found["pixel_attention_mask"] = torch.ones(batch, 1, size, size, dtype=torch.bool)
     if "image_sizes" in parameters:
         found["image_sizes"] = torch.tensor([[size, size]] * batch)
+        tiles = anyres_tiles(config, size)
+        if tiles:  # the base image, then the tiles of its best grid, stacked per image as the processor does
+            found["pixel_values"] = torch.randn(batch, 1 + tiles, channels, size, size, generator=generator).to(dtype)
     return found
+
+
+def anyres_tiles(config, size: int) -> int:
+    """How many tiles an any-resolution model (LLaVA-NeXT's `image_grid_pinpoints`) cuts a `size` x `size` image
+    into, besides the base image: its best grid (Transformers' `select_best_resolution`, as the processor picks it)
+    counted in tiles of `size`, the vision tower's image size. 0 for a model without pinpoints."""
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    if not isinstance(pinpoints, (list, tuple)) or not pinpoints:
+        return 0
+    from transformers.image_processing_utils import select_best_resolution
+
+    height, width = select_best_resolution((size, size), [tuple(point) for point in pinpoints])
+    return -(-height // size) * -(-width // size)
 
 
 def image_features(model: nn.Module, images: dict):

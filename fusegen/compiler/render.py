@@ -2,9 +2,13 @@
 
 The classes arrive as text spliced from the original source (`fusegen.compiler.splice`), their generated
 statements already black-formatted. The template is rendered with a placeholder class in each class's slot
-and black-formatted; then each placeholder is replaced by its class's text, untouched. If black would still
-change the assembled file (an original line black itself would reflow), black's output is returned, so the
-file always passes `black --check`; the faithful-emission test then sees the reflowed lines.
+and black-formatted; then each placeholder is replaced by its class's text, untouched.
+
+Transformers' own text is not always black's: black pulls the string of a multi-line
+`@auto_docstring(custom_intro=...)` call up onto the decorator's line, for one. Such a class (one black would change
+on its own) is written between `# fmt: off` and `# fmt: on`, which black leaves alone, so the file passes
+`black --check` and still holds the original text verbatim. The class text is never run through black here: its
+generated statements were formatted where they were made (`splice`), the rest is Transformers' as written.
 """
 
 from __future__ import annotations
@@ -44,8 +48,13 @@ def render(classes: list[str], **context) -> str:
     for slot, source in zip(slots, classes):
         if text.count(slot) != 1:
             raise RuntimeError(f"template slot {slot.splitlines()[0]!r} not found once in the rendered file")
-        text = text.replace(slot, source if source.endswith("\n") else source + "\n")
+        source = source if source.endswith("\n") else source + "\n"
+        text = text.replace(slot, source if format_source(source) == source else f"{FMT_OFF}{source}{FMT_ON}")
     return format_source(text)
+
+
+FMT_OFF, FMT_ON = "# fmt: off\n", "# fmt: on\n"
+"""Around a class whose original text black would reflow (see the module docstring)."""
 
 
 MODE = black.Mode(line_length=LINE_LENGTH, target_versions={black.TargetVersion.PY310})

@@ -95,6 +95,20 @@ def default_head(model_type: str) -> str | None:
     return None
 
 
+def head_class_name(model_type: str, head: str) -> str | None:
+    """The class name the Auto mapping behind `head` registers for `model_type` (no import), or None."""
+    name = _names(head).get(model_type)
+    return name[0] if isinstance(name, (tuple, list)) else name
+
+
+def mapping_target(model_type: str, head: str) -> str:
+    """The target that builds `model_type` through the class the mapping `head` registers: the bare model type when
+    that is the class its default head builds too (no import), else `TYPE:HEAD` (written to `fused_TYPE_HEAD.py`)."""
+    default = default_head(model_type)
+    same = default is not None and head_class_name(model_type, default) == head_class_name(model_type, head)
+    return model_type if same else f"{model_type}:{head}"
+
+
 def _names(head: str) -> dict:
     """`{model type: class name}` of the Auto mapping behind `head`."""
     from transformers.models.auto import modeling_auto

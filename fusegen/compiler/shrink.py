@@ -62,6 +62,8 @@ def shrunk_config(config_or_class, **overrides):
         raise ShrinkError(f"expected a config class or instance, got {config_or_class!r}")
     if built is not None:
         _add_derived_layer_lists(values, built)
+        if values.get("image_grid_pinpoints") is None and getattr(built, "image_grid_pinpoints", None):
+            values["image_grid_pinpoints"] = [list(p) for p in built.image_grid_pinpoints]  # to rescale, see below
     values = shrink_values(cls, values)
     fix = FIXES.get(getattr(cls, "model_type", ""))
     if fix is not None:
@@ -164,6 +166,7 @@ def shrink_values(cls, values: dict[str, Any]) -> dict[str, Any]:
     """Shrink one config level's keyword arguments (sub-configs recursively)."""
     names = _canonical_names(cls)
     values = dict(values)
+    tile = _tile(values)
     for key, value in list(values.items()):
         sub_cls = _nested_config_class(cls, key, value)
         if sub_cls is not None:
@@ -179,6 +182,7 @@ def shrink_values(cls, values: dict[str, Any]) -> dict[str, Any]:
     _fix_rope(values, names)
     _fix_token_ids(values, names)
     _fix_image(values)
+    _fix_pinpoints(values, tile)
     return values
 
 
@@ -203,6 +207,32 @@ def _fix_image(values: dict[str, Any]) -> None:
         values["image_size"] = [patch * IMAGE_PATCHES] * len(size)
     if _is_int(values.get("mm_tokens_per_image")):
         values["mm_tokens_per_image"] = (IMAGE_PATCHES // 2) ** 2
+
+
+def _tile(values: dict[str, Any]) -> int | None:
+    """The square image size of this level's vision sub-config (`vision_config.image_size`), if it spells one."""
+    vision = values.get("vision_config")
+    size = vision.get("image_size") if isinstance(vision, dict) else None
+    if isinstance(size, (list, tuple)) and len(set(size)) == 1:
+        size = size[0]
+    return size if _is_int(size) and size > 0 else None
+
+
+def _fix_pinpoints(values: dict[str, Any], old_tile: int | None) -> None:
+    """Any-resolution grids (LLaVA-NeXT, LLaVA-OneVision: `image_grid_pinpoints`) rescaled with the vision tile.
+
+    Each pinpoint is a resolution `(height, width)` cut into tiles of the vision tower's `image_size` (the modeling
+    code counts `ceil(height / image_size) * ceil(width / image_size)` tiles). Shrinking the tower's image size alone
+    leaves pinpoints of hundreds of tiles; rescaling each side as the same number of tiles of the new size keeps
+    every grid's tile layout (1x2, 2x2, ...), and so the code paths a real image takes, at a tiny size.
+    """
+    pinpoints, new_tile = values.get("image_grid_pinpoints"), _tile(values)
+    if old_tile is None or new_tile is None or not isinstance(pinpoints, (list, tuple)):
+        return
+    if not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(_is_int(s) for s in p) for p in pinpoints):
+        return
+    rescaled = [[max(1, round(side / old_tile)) * new_tile for side in point] for point in pinpoints]
+    values["image_grid_pinpoints"] = [list(p) for p in dict.fromkeys(tuple(p) for p in rescaled)]
 
 
 def _canonical_names(cls) -> dict[str, str]:

@@ -131,6 +131,10 @@ def class_text(name: str, rewritten: ast.ClassDef | ast.Module, module: ModuleTy
     start, end = first_line(original), original.end_lineno + 1
     header, against = _added_bases(source, original, new)
     edits = _block(source, [original], against, "")
+    if header and edits is not None and any(_covers(edit, insert.start) for edit in edits for insert in header):
+        # the class statement itself was replaced (its text formatted from `against`, the class without the added
+        # bases): the insertion has no header text left to go into, so splice against the full rewritten class
+        header, edits = [], _block(source, [original], new, "")
     if edits is None:
         header, edits = [], [_replace(source, [original], new, "", start, end)]
     edits += header
@@ -164,6 +168,11 @@ def _added_bases(source: Source, original: ast.stmt, new: list[ast.stmt]) -> tup
     first = original.bases[0]
     at = source.offset(first.lineno, first.col_offset)
     return [Edit(at, at, "".join(f"{ast.unparse(base)}, " for base in new[0].bases[:extra]))], [trimmed]
+
+
+def _covers(edit: Edit, offset: int) -> bool:
+    """`edit` replaces text around `offset`, so an insertion there would land inside (or across) its replacement."""
+    return edit.start < edit.end and edit.start <= offset <= edit.end
 
 
 def _dump(stmt: ast.stmt) -> str:
@@ -289,15 +298,27 @@ def _class_name_edit(source: Source, node: ast.ClassDef, new: str) -> Edit | Non
 
 
 def _string_edit(source: Source, node: ast.Constant, new: str) -> Edit | None:
-    """A plain one-token string literal (`"LlamaDecoderLayer"`) gets the new value in its own quotes; else None."""
+    """A plain one-token string literal (`"LlamaDecoderLayer"`, `r"BartEncoderLayer"`) gets the new value in its own
+    quotes and prefix; else None.
+
+    A raw (`r`) or `u` prefix changes nothing for a value without quotes, backslashes or newlines, so the literal
+    keeps it and still means `new`.
+    """
     token = source.strings.get((node.lineno, source.column(node.lineno, node.col_offset)))
     if token is None or token.end != (node.end_lineno, source.column(node.end_lineno, node.end_col_offset)):
         return None
-    quote = token.string[0]
-    if quote not in "'\"" or token.string[:3] == quote * 3 or any(c in new for c in (quote, "\\", "\n")):
+    prefix = token.string[: len(token.string) - len(token.string.lstrip("rRuU"))]
+    body = token.string[len(prefix) :]
+    quote = body[:1]
+    if (
+        len(prefix) > 1
+        or quote not in ("'", '"')
+        or body[:3] == quote * 3
+        or any(c in new for c in (quote, "\\", "\n"))
+    ):
         return None
     start = source.line_offset(token.start[0]) + token.start[1]
-    return Edit(start, start + len(token.string), f"{quote}{new}{quote}")
+    return Edit(start, start + len(token.string), f"{prefix}{quote}{new}{quote}")
 
 
 # --- splicing blocks ---------------------------------------------------------------------------------
@@ -317,6 +338,8 @@ def _block(source: Source, old: list[ast.stmt], new: list[ast.stmt], indent: str
         if tag == "equal":
             for a, b in zip(old[i1:i2], new[j1:j2]):
                 found = _leaf_edits(source, a, b)
+                if found is None and _is_compound(a):  # a rename its tokens cannot take: splice its blocks
+                    found = _compound(source, a, b)
                 if found is None:
                     runs.append(([a], [b], previous))
                 else:

@@ -1,4 +1,4 @@
-"""`fusegen build --all`: every causal-LM model type, in worker processes.
+"""`fusegen build --all`: every model type of the universe (or of one mapping), in worker processes.
 
 One model's failure never stops the sweep: each build runs in isolation and
 comes back as plain data (its text, its outcomes, or its error).
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 @dataclass
 class SweepEntry:
     model_type: str
+    """The target built: a model type, or `TYPE:HEAD` for a head other than its default."""
     status: str
     """`fused`, `nothing` (no sibling group, or all refused), `error` (a reasoned input error) or `crash`."""
     seconds: float
@@ -25,10 +26,12 @@ class SweepEntry:
     summary: str = ""
     report: dict = field(default_factory=dict)
     error: str = ""
+    file_stem: str = ""
+    """`fused_<file_stem>.py` when a file was made (`Target.file_stem`)."""
 
 
 def build_one(model_type: str) -> SweepEntry:
-    """Build one model type, turning every failure into data."""
+    """Build one target (a model type, or `TYPE:HEAD`), turning every failure into data."""
     from fusegen.compiler.build import build
     from fusegen.errors import FusegenError
     from fusegen.tools.report import outcome_data
@@ -47,6 +50,7 @@ def build_one(model_type: str) -> SweepEntry:
         text=result.text,
         summary=summarise(result.outcomes),
         report={"classes": [outcome_data(outcome) for outcome in result.outcomes]},
+        file_stem=result.target.file_stem,
     )
 
 
