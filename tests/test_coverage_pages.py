@@ -7,7 +7,7 @@ from dataclasses import asdict
 from fusegen.tools import coverage
 from fusegen.tools.coverage import analysis, markdown
 from fusegen.tools.coverage.rows import NEW_TOKENS, Inspection, Row, Verification
-from fusegen.tools.coverage.run import row_from_data
+from fusegen.tools.coverage.run import reusable, row_from_data
 
 VERIFIED = Verification("verified", 0.0, "same", checks=[{"config": "tiny", "status": "verified"}])
 
@@ -143,3 +143,25 @@ def test_inspection_records_where_each_class_sits():
     # the mapping's class, not the type's default head: BERT's causal LM, where `fusegen build bert` builds BertModel
     assert "BertLMHeadModel" in coverage.inspect_original("bert", "causal-lm")["places"]
     assert "BertLMHeadModel" not in coverage.inspect_original("bert")["places"]
+
+
+def test_rows_are_reused_only_where_the_other_mapping_built_the_same_class(tmp_path):
+    # gemma3: image-text-to-text and multimodal-lm both register Gemma3ForConditionalGeneration; bert's causal LM
+    # (BertLMHeadModel) is not its masked LM (BertForMaskedLM)
+    rows = [_vlm(), Row("bert", "fused", {"classes": []}, "", Inspection(), VERIFIED)]
+    rows[0].model_type = "gemma3"
+    saved = tmp_path / "image-text-to-text.rows.json"
+    saved.write_text(
+        json.dumps({"mapping": "image-text-to-text", "argv": [], "seconds": 1.0, "rows": [asdict(rows[0])]})
+    )
+    causal = tmp_path / "causal-lm.rows.json"
+    causal.write_text(json.dumps({"mapping": "causal-lm", "argv": [], "seconds": 1.0, "rows": [asdict(rows[1])]}))
+    found = reusable([saved, causal], "multimodal-lm", ["gemma3", "bert"])
+    assert list(found) == ["gemma3"] and found["gemma3"] == ("image-text-to-text", rows[0])
+    assert reusable([causal], "masked-lm", ["bert"]) == {}
+    assert reusable([saved], "image-text-to-text", ["gemma3"]) == {}  # never a mapping's own earlier run
+    run = markdown.RunInfo(
+        "python -m fusegen.tools.coverage --mapping multimodal-lm", 5.0, reused={"gemma3": "image-text-to-text"}
+    )
+    page = coverage.render_markdown([rows[0]], "multimodal-lm", run)
+    assert "The rows of 1 types are the `image-text-to-text` run's, which built the same class for them" in page

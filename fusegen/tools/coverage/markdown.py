@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fusegen.compiler.rules import registry
 from fusegen.testkit import (  # the one kit (fusegen/testkit.py)
@@ -114,6 +114,8 @@ class RunInfo:
     seconds: float
     variants: int | None = None
     only: list[str] | None = None
+    reused: dict[str, str] = field(default_factory=dict)
+    """`{model type: mapping}`: rows taken from a run of another mapping that built the same class (`--reuse`)."""
 
 
 RUN_LINE = re.compile(r"^Run: `(?P<command>[^`]+)`, wall time (?P<seconds>\d+) s")
@@ -251,7 +253,15 @@ def _run_line(run: RunInfo) -> str:
             "the tiny config and those run."
         )
     if run.only:
-        line += f" Only {len(run.only)} types were run (`--only`)."
+        line += f" Only {len(run.only)} type{'s were' if len(run.only) != 1 else ' was'} run (`--only`)."
+    by_source: dict[str, list[str]] = {}
+    for model_type, source in run.reused.items():
+        by_source.setdefault(source, []).append(model_type)
+    for source, types in by_source.items():
+        line += (
+            f" The rows of {len(types)} types are the `{source}` run's, which built the same class for them "
+            f"(`--reuse`; its wall time is not in the figure above): {', '.join(f'`{t}`' for t in types)}."
+        )
     return line
 
 

@@ -45,21 +45,24 @@ def collect(
     mapping: str = "causal-lm",
 ) -> list[Row]:
     """Sweep, then inspect every type and verify every fused one (under at most `variants` construction variants
-    besides the tiny config; None: all of them), each in its own process.
+    besides the tiny config; None: all of them), each in its own process, killed at `timeout` seconds (a build
+    that does not finish is a crash).
 
     Each type is built with the class `mapping` registers for it (`TYPE:mapping`): the causal-LM section covers
     `BertLMHeadModel` and `Gemma3ForCausalLM`, the image-text-to-text section `Gemma3ForConditionalGeneration`, even
     where the type's default head (what `fusegen build TYPE` builds) is another one."""
-    from fusegen.tools.sweep import sweep
+    from fusegen.tools.sweep import SweepEntry, build_one
 
     preload()
 
     entries = {}
-    specs = [f"{t}:{mapping}" for t in model_types]
-    for done, entry in enumerate(sweep(specs, jobs), start=1):
-        entry.model_type = entry.model_type.rpartition(":")[0]
-        entries[entry.model_type] = entry
-        log(f"[build {done}/{len(model_types)}] {entry.model_type}: {entry.status}")
+    builds = [(t, build_one, (f"{t}:{mapping}",)) for t in model_types]
+    for done, (model_type, entry) in enumerate(run_isolated(builds, jobs, timeout), start=1):
+        if isinstance(entry, dict):  # the build itself timed out or its process died
+            entry = SweepEntry(model_type, "crash", timeout, error=f"build: {entry['status']}: {entry['reason']}")
+        entry.model_type = model_type
+        entries[model_type] = entry
+        log(f"[build {done}/{len(model_types)}] {model_type}: {entry.status}")
     tasks = [(f"inspect:{t}", inspect_original, (t, mapping)) for t in model_types]
     tasks += [
         (f"verify:{t}", verify, (t, e.text, variants, mapping)) for t, e in entries.items() if e.status == "fused"
@@ -118,6 +121,8 @@ def write_index(index: Path, pages: Path) -> None:
 def _command(args) -> str:
     """The command line that obtains the page's rows (where it writes them aside)."""
     words = ["python -m fusegen.tools.coverage", f"--mapping {args.mapping}", f"--jobs {args.jobs}"]
+    if args.reuse:
+        words.append("--reuse " + " ".join(path.name for path in args.reuse))
     if args.timeout != TIMEOUT:
         words.append(f"--timeout {args.timeout:g}")
     if args.variants is not None:
@@ -125,6 +130,30 @@ def _command(args) -> str:
     if args.only:
         words.append("--only " + " ".join(args.only))
     return " ".join(words)
+
+
+def reusable(files: list[Path], mapping: str, model_types: list[str]) -> dict[str, tuple[str, Row]]:
+    """`{type: (source mapping, row)}` for the types of `model_types` that a saved run of another mapping (`files`,
+    written by `--save-rows`) built with the very class `mapping` registers for them: the build, the inspection and
+    the verification depend only on the class and the type's config, so that row is this mapping's row."""
+    from transformers.models.auto import modeling_auto
+
+    from fusegen.compiler.resolve import HEADS
+
+    def names(head: str) -> dict:
+        return getattr(modeling_auto, HEADS[head] + "_NAMES")
+
+    found: dict[str, tuple[str, Row]] = {}
+    wanted = names(mapping)
+    for file in files:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+        source = saved["mapping"]
+        theirs = names(source)
+        for data in saved["rows"]:
+            t = data["model_type"]
+            if t in model_types and t not in found and source != mapping and theirs.get(t) == wanted.get(t):
+                found[t] = (source, row_from_data(data))
+    return found
 
 
 def row_from_data(data: dict) -> Row:
@@ -179,6 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="render the page from rows a run saved with --save-rows instead of running",
     )
+    parser.add_argument(
+        "--reuse",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="rows saved by runs of other mappings (--save-rows): a type whose class there is the class this mapping "
+        "registers is taken from them, not run again (the page says which)",
+    )
     args = parser.parse_args(argv)
 
     from fusegen.compiler.resolve import UNIVERSE
@@ -200,17 +238,22 @@ def main(argv: list[str] | None = None) -> int:
         run_args = args
         start = time.perf_counter()
         log = lambda line: print(line, file=sys.stderr, flush=True)
-        rows = collect(model_types, args.jobs, args.timeout, log=log, variants=args.variants, mapping=args.mapping)
+        reused = reusable(args.reuse, args.mapping, model_types)
+        to_run = [t for t in model_types if t not in reused]
+        ran = collect(to_run, args.jobs, args.timeout, log=log, variants=args.variants, mapping=args.mapping)
         seconds = time.perf_counter() - start
+        by_type = {row.model_type: row for row in ran} | {t: row for t, (_, row) in reused.items()}
+        rows = [by_type[t] for t in model_types]
+        saved = {
+            "mapping": args.mapping,
+            "argv": sys.argv[1:] if argv is None else argv,
+            "seconds": seconds,
+            "rows": [asdict(r) for r in rows],
+            "reused": {t: source for t, (source, _) in reused.items()},
+        }
         if args.save_rows:
-            data = {
-                "mapping": args.mapping,
-                "argv": sys.argv[1:] if argv is None else argv,
-                "seconds": seconds,
-                "rows": [asdict(r) for r in rows],
-            }
-            args.save_rows.write_text(json.dumps(data), encoding="utf-8")
-    run = RunInfo(_command(run_args), seconds, run_args.variants, run_args.only)
+            args.save_rows.write_text(json.dumps(saved), encoding="utf-8")
+    run = RunInfo(_command(run_args), seconds, run_args.variants, run_args.only, saved.get("reused", {}))
     text = render_markdown(rows, run_args.mapping, run)
     output = args.output or DOCS / f"{run_args.mapping}.md"
     output.parent.mkdir(parents=True, exist_ok=True)
