@@ -316,7 +316,10 @@ def render_index(pages: dict[str, str | None]) -> str:
         if text is None:
             lines += [f"- `{mapping}`: not yet run."]
         else:
-            run = read[mapping][1] or "Run: not recorded."
+            run = read[mapping][1] or (
+                "Run: not recorded (a page written before the pages recorded their command and wall time; its "
+                "counts are that earlier run's)."
+            )
             lines += [f"- [`{mapping}`](coverage/{mapping}.md): {run.removeprefix('Run: ')}"]
     return "\n".join(lines) + "\n"
 
