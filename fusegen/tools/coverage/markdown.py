@@ -281,7 +281,10 @@ def render_index(pages: dict[str, str | None]) -> str:
     """`docs/coverage.md`: the summary counts of every mapping's page side by side, and each page's run line;
     `pages` maps each mapping (in `UNIVERSE` order) to its page's text, or None for a mapping not run yet."""
     read = {mapping: read_page(text) for mapping, text in pages.items() if text is not None}
-    labels = list(dict.fromkeys(label for counts, _ in read.values() for label, _ in counts))
+    # today's labels in their order (an `... of which` row right under its total), then any only older pages have
+    canonical = [label for label, _ in summary_counts([])]
+    labels = list(dict.fromkeys(canonical + [label for counts, _ in read.values() for label, _ in counts]))
+    labels = [label for label in labels if any(label in dict(counts) for counts, _ in read.values())]
     lines = [
         "# Coverage: every model type of the Auto mappings fusegen builds",
         "",
