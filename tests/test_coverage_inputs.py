@@ -141,3 +141,16 @@ def test_a_model_whose_config_does_not_spell_a_width_gets_no_cross_attention_sta
     # BltForCausalLM's forward takes cross_attention_states too, but BLT computes them itself and BltConfig has no
     # hidden_size; guessing would fail the original (and so skip the type) or the recording.
     assert extra_inputs(_meta_model("blt"), 2, 12, _empty) == {}
+
+
+def test_a_dual_encoder_without_image_tokens_gets_its_images():
+    # ALIGN's text side is BERT: its token_type_ids are segment ids, not image-token marks, and its config has no
+    # image token; building the inputs once raised there (`tensor == None` is False), so the check ran on text alone
+    from fusegen.compiler.modal_inputs import forward_inputs
+    from fusegen.testkit import random_input
+
+    target = resolve("align", "dual-encoder")
+    config = tiny_config(target)
+    original = random_model(target.causal_lm, config)
+    inputs = forward_inputs(original, config, random_input(config, batch=2))
+    assert inputs["pixel_values"].shape[0] == 2 and "token_type_ids" not in inputs

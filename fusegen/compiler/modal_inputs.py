@@ -90,9 +90,10 @@ def _forward_inputs(model: nn.Module, config, input_ids: torch.Tensor, seed: int
         images.pop("image_sizes", None)
     if images:
         input_ids = with_image_tokens(model, config, input_ids, images)
+        token = image_token_id(config)
         for name in ("token_type_ids", "mm_token_type_ids"):
-            if name in parameters:  # 1 marks an image token, as the processor writes them
-                inputs[name] = (input_ids == image_token_id(config)).long()
+            if name in parameters and token is not None:  # 1 marks an image token, as the processor writes them
+                inputs[name] = (input_ids == token).long()  # (no image token: a text segment id, left to default)
     if "input_ids" in parameters:
         inputs["input_ids"] = input_ids
         inputs["attention_mask"] = torch.ones_like(input_ids)

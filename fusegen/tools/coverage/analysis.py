@@ -7,23 +7,79 @@ import re
 
 from fusegen.tools.coverage.rows import Row
 
+TOWERS = ("text", "vision", "audio")
+"""Where in a model a class sits: `text` (the text model, and anything not in a tower), a `vision` tower, an `audio`
+tower; see `towers_of`."""
 
-def has_kind(row: Row, kind: str) -> bool:
+
+TOWER_NAMES = {
+    "vision": re.compile(r"(^|_)(vision|visual|image|img|vit)(_|$)", re.IGNORECASE),
+    "audio": re.compile(r"(^|_)(audio|speech)(_|$)", re.IGNORECASE),
+}
+"""A module path component that opens a tower (`model.vision_tower`, `model.visual`, `vision_model`, `audio_tower`)."""
+
+
+TOWER_LABELS = {"text": "the text model", "vision": "the vision tower", "audio": "the audio tower"}
+
+
+def tower_of_path(path: str) -> str:
+    """The tower of the module at `path`: the first component naming a tower decides (`TOWER_NAMES`), else `text`."""
+    for component in path.split("."):
+        for tower, pattern in TOWER_NAMES.items():
+            if pattern.search(component):
+                return tower
+    return "text"
+
+
+def towers_of(row: Row, class_name: str) -> list[str]:
+    """The towers holding `class_name` in `row`'s original model (`Inspection.places`, from its default config); a
+    class found in both (CLIP's attention) is in both. `text` when the inspection did not see the class."""
+    places = row.inspection.places.get(class_name) or [""]
+    found = {tower_of_path(place) for place in places}
+    return [tower for tower in TOWERS if tower in found]
+
+
+def _in(row: Row, class_name: str, tower: str | None) -> bool:
+    return tower is None or tower in towers_of(row, class_name)
+
+
+def has_tower(row: Row, tower: str) -> bool:
+    """Whether `row`'s original model holds some module class in `tower`."""
+    return any(tower_of_path(place) == tower for places in row.inspection.places.values() for place in places)
+
+
+def has_kind(row: Row, kind: str, tower: str | None = None) -> bool:
     """Whether the model has what fusion kind `kind` fuses (a q/k/v triplet for `qkv`), fused, refused or just present
-    (the kind says how to recognise it by name: `fusegen.fusions.base.Kind.present`)."""
+    (the kind says how to recognise it by name: `fusegen.fusions.base.Kind.present`); in `tower` only, if given."""
     from fusegen import fusions
 
     test = fusions.kind(kind).present
     for outcome in row.report.get("classes", []):
+        if not _in(row, outcome["class"], tower):
+            continue
         if any(plan["kind"] == kind for plan in outcome["fused"]):
             return True
         if any(test(refusal["projections"]) for refusal in outcome["refused"]):
             return True
-    return any(test(names) for names in row.inspection.linears.values())
+    return any(test(names) for name, names in row.inspection.linears.items() if _in(row, name, tower))
 
 
-def fused_kind(row: Row, kind: str) -> bool:
-    return any(plan["kind"] == kind for outcome in row.report.get("classes", []) for plan in outcome["fused"])
+def fused_kind(row: Row, kind: str, tower: str | None = None) -> bool:
+    return any(
+        plan["kind"] == kind
+        for outcome in row.report.get("classes", [])
+        if _in(row, outcome["class"], tower)
+        for plan in outcome["fused"]
+    )
+
+
+def packed_in(row: Row, part: str, tower: str | None = None) -> bool:
+    """Whether the original already stores `part`'s group merged (`qkv_proj`, `gate_up_proj`: `PACKED_*_NAME`) in a
+    class of `tower` (any, if None)."""
+    packed = PACKED_ATTENTION_NAME if part == "attention" else PACKED_MLP_NAME if part == "MLP" else None
+    return bool(packed) and any(
+        packed.match(n) for name, names in row.inspection.already_fused.items() if _in(row, name, tower) for n in names
+    )
 
 
 def is_verified(row: Row) -> bool:
@@ -33,29 +89,61 @@ def is_verified(row: Row) -> bool:
 def summary_counts(rows: list[Row]) -> list[tuple[str, int]]:
     fused = [r for r in rows if r.status == "fused"]
     checks = [check for r in fused if r.verification for check in r.verification.checks]
+    return (
+        [
+            ("model types swept", len(rows)),
+            ("fused and verified equivalent (under every config)", sum(is_verified(r) for r in fused)),
+            ("fused, not verified", sum(not is_verified(r) for r in fused)),
+            ("nothing to fuse", sum(r.status == "nothing" for r in rows)),
+            ("errors (input the compiler refuses, with a reason)", sum(r.status == "error" for r in rows)),
+            (
+                "... of which inherent (listed under 'Inherent cases', with the reason)",
+                sum(map(_error_inherent, rows)),
+            ),
+            ("crashes", sum(r.status == "crash" for r in rows)),
+            (
+                "types with attention fused and verified",
+                sum(bool(fused_in(r, "attention")) and is_verified(r) for r in fused),
+            ),
+            *(
+                (
+                    f"... in {TOWER_LABELS[tower]}",
+                    sum(bool(fused_in(r, "attention", tower)) and is_verified(r) for r in fused),
+                )
+                for tower in TOWERS
+            ),
+            ("types with an MLP fused and verified", sum(bool(fused_in(r, "MLP")) and is_verified(r) for r in fused)),
+            ("types with a norm fused and verified", sum(bool(fused_in(r, "norm")) and is_verified(r) for r in fused)),
+            ("types where a trace stopped early (some class)", sum(bool(trace_stops(r)) for r in rows)),
+            ("... of which every stop inherent (listed under 'Inherent cases')", sum(map(_all_stops_inherent, rows))),
+            ("types with a fusion refused as unreachable", sum(bool(_refused_by(r, "unreachable")) for r in rows)),
+            (
+                "configs verified (tiny configs and construction variants)",
+                sum(c["status"] == "verified" for c in checks),
+            ),
+            (
+                "construction variants skipped (the original does not run them)",
+                sum(c["status"] == "skipped" for c in checks),
+            ),
+        ]
+        + kind_counts(rows)
+        + vision_counts(rows)
+    )
+
+
+def vision_counts(rows: list[Row]) -> list[tuple[str, int]]:
+    """The vision towers: how many types have one, and their q/k/v: separate (and of those, fused and verified) or
+    stored packed already."""
+    having = [r for r in rows if has_kind(r, "qkv", "vision")]
     return [
-        ("model types swept", len(rows)),
-        ("fused and verified equivalent (under every config)", sum(is_verified(r) for r in fused)),
-        ("fused, not verified", sum(not is_verified(r) for r in fused)),
-        ("nothing to fuse", sum(r.status == "nothing" for r in rows)),
-        ("errors (input the compiler refuses, with a reason)", sum(r.status == "error" for r in rows)),
-        ("... of which inherent (listed under 'Inherent cases', with the reason)", sum(map(_error_inherent, rows))),
-        ("crashes", sum(r.status == "crash" for r in rows)),
+        ("types with a vision tower", sum(has_tower(r, "vision") for r in rows)),
+        ("types with a q/k/v triplet in the vision tower", len(having)),
         (
-            "types with attention fused and verified",
-            sum(bool(fused_in(r, "attention")) and is_verified(r) for r in fused),
+            "... of which the tower's q/k/v fused and verified",
+            sum(fused_kind(r, "qkv", "vision") and is_verified(r) for r in having),
         ),
-        ("types with an MLP fused and verified", sum(bool(fused_in(r, "MLP")) and is_verified(r) for r in fused)),
-        ("types with a norm fused and verified", sum(bool(fused_in(r, "norm")) and is_verified(r) for r in fused)),
-        ("types where a trace stopped early (some class)", sum(bool(trace_stops(r)) for r in rows)),
-        ("... of which every stop inherent (listed under 'Inherent cases')", sum(map(_all_stops_inherent, rows))),
-        ("types with a fusion refused as unreachable", sum(bool(_refused_by(r, "unreachable")) for r in rows)),
-        ("configs verified (tiny configs and construction variants)", sum(c["status"] == "verified" for c in checks)),
-        (
-            "construction variants skipped (the original does not run them)",
-            sum(c["status"] == "skipped" for c in checks),
-        ),
-    ] + kind_counts(rows)
+        ("types whose vision tower already packs q/k/v", sum(packed_in(r, "attention", "vision") for r in rows)),
+    ]
 
 
 def kind_counts(rows: list[Row]) -> list[tuple[str, int]]:
@@ -116,24 +204,26 @@ def part_of(class_name: str, kind: str, projections) -> str:
     return "other"
 
 
-def fused_in(row: Row, part: str) -> list[str]:
-    """The classes of `row` with a fusion in `part`."""
+def fused_in(row: Row, part: str, tower: str | None = None) -> list[str]:
+    """The classes of `row` with a fusion in `part` (of `tower`, if given)."""
     return list(
         dict.fromkeys(
             outcome["class"]
             for outcome in row.report.get("classes", [])
+            if _in(row, outcome["class"], tower)
             for plan in outcome["fused"]
             if part_of(outcome["class"], plan["kind"], [name for name, _ in plan["shards"]]) == part
         )
     )
 
 
-def refused_in(row: Row, part: str) -> list[str]:
-    """The rule ids of `row`'s refusals in `part`, each once."""
+def refused_in(row: Row, part: str, tower: str | None = None) -> list[str]:
+    """The rule ids of `row`'s refusals in `part` (of `tower`, if given), each once."""
     return list(
         dict.fromkeys(
             refusal["rule"]
             for outcome in row.report.get("classes", [])
+            if _in(row, outcome["class"], tower)
             for refusal in outcome["refused"]
             if part_of(outcome["class"], "", refusal["projections"]) == part
         )

@@ -41,6 +41,9 @@ class Inspection:
     linears: dict[str, list[str]] = field(default_factory=dict)
     already_fused: dict[str, list[str]] = field(default_factory=dict)
     error: str = ""
+    places: dict[str, list[str]] = field(default_factory=dict)
+    """Per module class, where the model holds it: its module paths, list indices written `*`
+    (`model.visual.blocks.*.attn`); what tells a vision tower's class from the text model's."""
 
 
 @dataclass

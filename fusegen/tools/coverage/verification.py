@@ -40,27 +40,30 @@ class ConfigCheck:
     """Fused classes holding a merged linear whose original the model under this config contains."""
 
 
-def verify(model_type: str, text: str, variants: int | None = None) -> dict:
+def verify(model_type: str, text: str, variants: int | None = None, head: str | None = None) -> dict:
     """Equivalence of the fused causal LM (loaded from the original's checkpoint) and the original; plain data.
 
     Checked under the tiny config and under every construction variant of it (`fusegen.compiler.validate.
     construction_variants`, all fields probed, at most `variants` of them if given): the type is verified only
-    when every config that the original runs is verified (see `_combined`).
+    when every config that the original runs is verified (see `_combined`). `head`: the class the text was built
+    around (`resolve`'s; None: the type's default).
     """
     import torch
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"fusegen-coverage-{model_type}-") as tmp:
-        result = _verify_in(Path(tmp), model_type, text, torch, variants)
+        result = _verify_in(Path(tmp), model_type, text, torch, variants, head)
     result.seconds = time.perf_counter() - start
     return asdict(result)
 
 
-def _verify_in(tmp: Path, model_type: str, text: str, torch, variants: int | None = None) -> Verification:
+def _verify_in(
+    tmp: Path, model_type: str, text: str, torch, variants: int | None = None, head: str | None = None
+) -> Verification:
     from fusegen.compiler.resolve import resolve
     from fusegen.compiler.shrink import ShrinkError, shrunk_config
 
-    target = resolve(model_type)
+    target = resolve(model_type, head)
     try:
         fused_class = import_causal_lm(tmp, model_type, text, target.causal_lm.__name__)
     except Exception as error:  # noqa: BLE001
