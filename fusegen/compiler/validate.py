@@ -16,7 +16,10 @@ imported in memory, and its fused causal LM is compared with the original causal
   config also in fp32 (eval) and under bf16 autocast (a train step: logits and gradients), since CPU autocast leaves
   fp64 alone (`NUMERICS`);
 - on up to `MAX_FORWARD_VARIANTS` *forward-only variants*: a boolean or optional field that changes no module but a
-  value `forward` reads (`forward_variants`), one fp32 train step each.
+  value `forward` reads (`forward_variants`), each with one train step like a variant and with the tiny config's
+  fp32 numerics (`NUMERICS`: a flag can guard an autocast region). fp32 gradients alone are too coarse to hold to
+  `GRAD_TOLERANCE`: rounding, amplified by a model's norms, reached 2.2e-4 of the largest gradient on dory in fp32,
+  0.0 in fp64.
 
 Logits must agree within `TOLERANCE` and gradients within `GRAD_TOLERANCE`; anything else (a difference, a fused
 model that fails where the original runs, a tensor that maps nowhere) is a `validation-mismatch` with the figure.
@@ -161,11 +164,14 @@ def _validate_into(validation: Validation, target, text: str, tiny_steps: tuple[
         checks = [("tiny in fp32 and bf16 autocast", config, numerics)]
         probed: list = []
         checks += [(label, variant, ()) for label, variant in construction_variants(target, config, probed=probed)]
-        checks += [(label, variant, ()) for label, variant in forward_variants(target, config, probed)]
+        for label, variant in forward_variants(target, config, probed):  # fp64 like the others, and fp32 numerics
+            checks += [(label, variant, ())] + [(f"{label} in fp32 and bf16 autocast", variant, numerics)] * bool(
+                numerics
+            )
         for label, variant, steps in checks:
             if validation.mismatch is not None:
                 break  # one mismatch refuses the target; the rest would only cost time
-            mode = "fp32" if variant is config or label.endswith("(forward only)") else None
+            mode = "fp32" if steps else None  # the numerics steps run in fp32; the rest in fp64 where it runs
             validation.checks.append(
                 check_config(label, target.causal_lm, fused_class, variant, mapping, merging, steps, mode)
             )
