@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import fusegen
+from fusegen.compiler.resolve import UNIVERSE
 from fusegen.errors import EXIT_DRIFT, EXIT_ERROR, EXIT_OK, InputError, command
 
 SWEEP_SUMMARY = "fusegen-sweep.json"
@@ -61,20 +62,6 @@ _HEAD_HELP = (
 )
 
 
-_MAPPINGS = (
-    "image-text-to-text",
-    "multimodal-lm",
-    "causal-lm",
-    "seq2seq-lm",
-    "speech-seq2seq",
-    "text-encoding",
-    "masked-lm",
-    "dual-encoder",
-)
-"""`fusegen.compiler.resolve.UNIVERSE`, spelled here so that building the parser imports no compiler (and torch);
-tests/test_cli.py holds the two equal."""
-
-
 def make_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     loudness = common.add_mutually_exclusive_group()
@@ -100,11 +87,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     build.add_argument(
         "--mapping",
-        choices=_MAPPINGS,
+        choices=UNIVERSE,
         default=None,
         metavar="MAPPING",
         help=f"with --all: the model types one Auto mapping registers, each built through that mapping's class "
-        f"({', '.join(_MAPPINGS)})",
+        f"({', '.join(UNIVERSE)})",
     )
     build.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes for --all (default 1)")
     build.add_argument("--head", default=None, metavar="HEAD", help=_HEAD_HELP)
@@ -133,7 +120,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     listing.add_argument("--output-dir", type=Path, default=None, metavar="DIR", help="default: generated")
     listing.add_argument(
-        "--mapping", choices=_MAPPINGS, default=None, metavar="MAPPING", help="only this mapping's model types"
+        "--mapping", choices=UNIVERSE, default=None, metavar="MAPPING", help="only this mapping's model types"
     )
     listing.set_defaults(handler=_list)
 

@@ -119,13 +119,6 @@ def test_list_includes_the_model_types():
 # --- the universe: `build --all` and `list` over every mapping (in process: no model is built) --------------------
 
 
-def test_the_cli_mappings_are_the_universe():
-    from fusegen.cli import _MAPPINGS
-    from fusegen.compiler.resolve import UNIVERSE
-
-    assert _MAPPINGS == UNIVERSE
-
-
 def test_all_builds_every_type_of_the_universe_or_one_mapping_through_its_class():
     from fusegen.cli import all_targets
     from fusegen.compiler.resolve import model_types
