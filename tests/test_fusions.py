@@ -169,7 +169,8 @@ def test_the_tp_plan_shards_by_heads_what_the_kinds_say_holds_heads():
 
 def test_coverage_asks_the_kinds_what_to_count():
     # glu fused; a refused wq/wk/wv triplet, which only the qkv kind's `present` recognises by name.
-    report = {"classes": [{"fused": [{"kind": "glu"}], "refused": [{"projections": ["wq", "wk", "wv"]}]}]}
+    outcome = {"class": "ToyBlock", "fused": [{"kind": "glu"}], "refused": [{"projections": ["wq", "wk", "wv"]}]}
+    report = {"classes": [outcome]}
     row = coverage.Row("toy", "fused", report, "", coverage.Inspection(), None)
     assert coverage.has_kind(row, "qkv") and coverage.has_kind(row, "glu")
     assert coverage.kind_counts([row]) == [
