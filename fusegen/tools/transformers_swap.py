@@ -78,18 +78,39 @@ def swap_files(paths: list[str]) -> dict[str, str]:
 
     The files are imported first and `transformers` is looked up after: importing a modeling module can replace
     `sys.modules["transformers"]` with a new lazy module (it does the first time after a bare `import transformers`),
-    and a class set on the old object would silently not be seen. `pytest_collection_modifyitems` checks the result.
+    and a class set on the old object would silently not be seen; a later replacement is covered by
+    `resolve_swapped`. `pytest_collection_modifyitems` checks the result.
     """
     from fusegen.tools.convert import import_fused_module
 
     modules = [import_fused_module(Path(path).parent, Path(path).stem.removeprefix("fused_")) for path in paths]
-    installed = {}
+    swaps = {}
     for module in modules:
         for original, fused in swappable(module).items():
             setattr(sys.modules["transformers"], original, fused)
             alias_names(original, fused.__name__)
-            installed[original] = f"{fused.__module__}.{fused.__name__}"
-    return installed
+            swaps[original] = fused
+    resolve_swapped(swaps)
+    return {original: f"{fused.__module__}.{fused.__name__}" for original, fused in swaps.items()}
+
+
+def resolve_swapped(swaps: dict[str, type]) -> None:
+    """Make every `transformers` module object resolve the swapped names to the generated classes, not only the one
+    in `sys.modules` now: Transformers' own test helpers replace it (`tests/test_pipeline_mixin.py` imports the
+    checkout's `src/transformers/__init__.py` again through `direct_transformers_import`, which installs a fresh lazy
+    module). A fresh lazy module resolves a name through its class's `__getattr__`, so the swapped names are answered
+    there first."""
+    from transformers.utils import import_utils
+
+    lazy = import_utils._LazyModule
+    lookup = lazy.__getattr__
+
+    def swapped_first(module, name):
+        if module.__name__ == "transformers" and name in swaps:
+            return swaps[name]
+        return lookup(module, name)
+
+    lazy.__getattr__ = swapped_first
 
 
 def fused_model_classes(items) -> dict[str, list[str]]:
