@@ -136,3 +136,19 @@ def test_the_meta_recording_runs_the_vision_tower_on_an_image():
     recorded = record_inputs(model, list(found.values()))
     reached = {type(module).__name__ for module in found.values() if id(module) in recorded}
     assert {"CLIPAttention", "CLIPMLP", "LlamaAttention"} <= reached
+
+
+def test_a_file_without_tp_plan_advertises_no_plan_in_its_heads_either():
+    """fused_qwen2_5_vl.py has TP_PLAN = None (its composite config has no base_model_tp_plan): the whole model's plan
+    is empty, not an `lm_head` rule alone over an unsharded tied embedding. A file with a plan keeps the head's rule.
+    """
+    from transformers import LlamaConfig
+
+    from fusegen.testkit import small_config
+    from generated.fused_llama import FusedLlamaForCausalLM
+
+    _, fused_class, config = parts("qwen2_5_vl")
+    assert importlib.import_module("generated.fused_qwen2_5_vl").TP_PLAN is None
+    assert fused_class(config).tp_plan == {}
+    llama = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
+    assert llama.tp_plan["lm_head"] == "colwise_gather_output" and "layers.*.self_attn.qkv_proj" in str(llama.tp_plan)

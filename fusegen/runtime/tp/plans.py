@@ -53,11 +53,15 @@ def fused_tp_plan(model_plan: Mapping[str, str], config_plan: Mapping[str, str] 
 def init_fused_parallel_plans(model: PreTrainedModel, tp_plan: Mapping[str, str] | None) -> None:
     """`init_parallel_plans` of a generated base model: Transformers' plans, then `tp_plan` in place of the config's.
 
-    Heads (`*ForCausalLM`) need nothing: they collect their base model's plan, already fixed here. `tp_plan=None`
-    means the generated file could not derive a plan; a tensor-parallel load is then refused by name.
+    Heads (`*ForCausalLM`) collect their base model's plan, already fixed here. `tp_plan=None` means the generated
+    file could not derive a plan; a tensor-parallel load is then refused by name, and the model's plan is empty, the
+    head's own entries included: a head sharding `lm_head` over a base model that shards nothing would shard a tied
+    head without its embedding (Transformers' `test_tied_weights_are_sharded_together` refuses exactly that).
     """
     PreTrainedModel.init_parallel_plans(model)
     if model.base_model is not model:
+        if tp_plan is None:
+            model._tp_plan = {}
         return
     from ..quant import prepare_quantized
 
