@@ -47,6 +47,9 @@ def test_junit_outcomes_and_the_fused_only_difference(tmp_path):
     assert comparison.original_only == [] and comparison.one_sided == []
     text = render(comparison)
     assert "failed on fused only: 2" in text and "LlamaModelTest::test_b  -- RuntimeError: bad" in text
+    skipped = Comparison(junit(tmp_path, "o.xml"), junit(tmp_path, "f.xml", d=SKIP), {})
+    assert skipped.skipped_fused_only == ["LlamaModelTest::test_d"] and not skipped.fused_only
+    assert "skipped on fused only (passed on original): 1\n  LlamaModelTest::test_d  -- needs a GPU" in render(skipped)
 
 
 def test_a_test_only_one_run_has_is_listed(tmp_path):

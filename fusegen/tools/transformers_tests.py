@@ -48,6 +48,7 @@ class Run:
 
     outcomes: dict[str, str] = field(default_factory=dict)
     messages: dict[str, str] = field(default_factory=dict)
+    skips: dict[str, str] = field(default_factory=dict)
     returncode: int = 0
 
     def ids(self, outcome: str) -> list[str]:
@@ -71,6 +72,11 @@ class Comparison:
         return [t for t in self.original.ids(FAILED) if self.fused.outcomes.get(t) in (PASSED, SKIPPED)]
 
     @property
+    def skipped_fused_only(self) -> list[str]:
+        """Passed with the originals, skipped with the fused classes: not a failure, but nothing was checked."""
+        return [t for t in self.fused.ids(SKIPPED) if self.original.outcomes.get(t) == PASSED]
+
+    @property
     def both(self) -> list[str]:
         return [t for t in self.fused.ids(FAILED) if self.original.outcomes.get(t) == FAILED]
 
@@ -92,6 +98,8 @@ def read_junit(path: Path) -> Run:
             run.messages[test] = " ".join(text.strip().splitlines()[:1])[:300]
         elif any(child.tag == "skipped" for child in case):
             run.outcomes.setdefault(test, SKIPPED)
+            skipped = next(child for child in case if child.tag == "skipped")
+            run.skips[test] = " ".join((skipped.get("message") or "").strip().splitlines()[:1])[:300]
         else:
             run.outcomes.setdefault(test, PASSED)
     return run
@@ -168,6 +176,7 @@ def render(comparison: Comparison) -> str:
         ("failed on fused only", comparison.fused_only, comparison.fused.messages),
         ("failed on both", comparison.both, comparison.fused.messages),
         ("failed on original only", comparison.original_only, comparison.original.messages),
+        ("skipped on fused only (passed on original)", comparison.skipped_fused_only, comparison.fused.skips),
         ("ran on one side only", comparison.one_sided, {}),
     )
     for title, tests, messages in sections:
