@@ -199,21 +199,20 @@ class FusedDeepseekV3Attention(nn.Module):
             else None
         )
 
-        self.fused_qkv_a_proj = (
-            MergedColumnLinear(
+        if self.q_lora_rank is not None:
+            self.fused_qkv_a_proj = MergedColumnLinear(
                 self.hidden_size,
                 [self.q_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim],
                 bias=config.attention_bias,
             )
-            if self.q_lora_rank is not None
-            else None
-        )
-        self.fused_qkv_a_proj_sizes = self.fused_qkv_a_proj.output_sizes if self.fused_qkv_a_proj is not None else None
-        self.kv_a_proj_with_mqa = (
-            None
-            if self.fused_qkv_a_proj is not None
-            else nn.Linear(self.hidden_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=config.attention_bias)
-        )
+            self.fused_qkv_a_proj_sizes = self.fused_qkv_a_proj.output_sizes
+            self.kv_a_proj_with_mqa = None
+        else:
+            self.fused_qkv_a_proj = None
+            self.fused_qkv_a_proj_sizes = None
+            self.kv_a_proj_with_mqa = nn.Linear(
+                self.hidden_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=config.attention_bias
+            )
         self.kv_a_layernorm = FusedDeepseekV3RMSNorm(config.kv_lora_rank)
         self.kv_b_proj = nn.Linear(
             config.kv_lora_rank,

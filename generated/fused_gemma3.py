@@ -97,8 +97,21 @@ STACKED_PARAMS_MAPPING = {
     "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
 }
 packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-# No tensor parallelism: the original config has no base_model_tp_plan.
-TP_PLAN = None
+# Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
+# with the merged projections' rules fused (styles in fusegen.runtime.tp):
+#   (the plan of Gemma3TextConfig; the base models built with another config have none)
+#   qkv_proj, gate_up_proj: `fusegen_merged_colwise`, each piece split as its own `colwise` rule split it
+#   layers.*.self_attn: `fusegen_local_heads`, q/k/v sharded by query and kv heads
+#   every other rule: the config's own
+TP_PLAN = {
+    "layers.*.self_attn": "fusegen_local_heads",
+    "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_up_proj": "fusegen_merged_colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
 class FusedSiglipAttention(nn.Module):

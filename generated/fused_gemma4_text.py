@@ -152,8 +152,9 @@ class FusedGemma4TextAttention(nn.Module):
         self.is_kv_shared_layer = kv_sharing_mode == "reuse"
         self.store_full_length_kv = kv_sharing_mode == "store"
 
-        self.qkv_proj = (
-            MergedColumnLinear(
+        # Layers sharing kv states don't need any weight matrices
+        if not self.is_kv_shared_layer and (not self.use_alternative_attention):
+            self.qkv_proj = MergedColumnLinear(
                 config.hidden_size,
                 [
                     config.num_attention_heads * self.head_dim,
@@ -162,29 +163,26 @@ class FusedGemma4TextAttention(nn.Module):
                 ],
                 bias=config.attention_bias,
             )
-            if not self.is_kv_shared_layer and (not self.use_alternative_attention)
-            else None
-        )
-        self.qkv_proj_sizes = self.qkv_proj.output_sizes if self.qkv_proj is not None else None
-        self.q_proj = (
-            None
-            if self.qkv_proj is not None
-            else nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
-        )
-        self.q_norm = Gemma4RMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)
-
-        # Layers sharing kv states don't need any weight matrices
-        if not self.is_kv_shared_layer:
-            self.k_norm = Gemma4RMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)
-            self.v_norm = Gemma4RMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
-
-            self.k_proj = (
-                None
-                if self.qkv_proj is not None
-                else nn.Linear(
+            self.qkv_proj_sizes = self.qkv_proj.output_sizes
+            self.q_proj = None
+            self.q_norm = Gemma4RMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)
+            if not self.is_kv_shared_layer:
+                self.k_norm = Gemma4RMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)
+                self.v_norm = Gemma4RMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
+                self.k_proj = None
+        else:
+            self.qkv_proj = None
+            self.qkv_proj_sizes = None
+            self.q_proj = nn.Linear(
+                config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
+            )
+            self.q_norm = Gemma4RMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)
+            if not self.is_kv_shared_layer:
+                self.k_norm = Gemma4RMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)
+                self.v_norm = Gemma4RMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
+                self.k_proj = nn.Linear(
                     config.hidden_size, layer_config.num_key_value_heads * self.head_dim, bias=config.attention_bias
                 )
-            )
 
         self.o_proj = nn.Linear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
@@ -223,8 +221,12 @@ class FusedGemma4TextAttention(nn.Module):
             key_states, value_states = shared_kv_states[self.layer_type]
 
         else:
-            key_states = (k_proj_out if self.qkv_proj is not None else self.k_proj(hidden_states)).view(hidden_shape)
-            value_states = v_proj_out.view(hidden_shape) if self.qkv_proj is not None else key_states
+            if self.qkv_proj is not None:
+                key_states = k_proj_out.view(hidden_shape)
+                value_states = v_proj_out.view(hidden_shape)
+            else:
+                key_states = self.k_proj(hidden_states).view(hidden_shape)
+                value_states = key_states
 
             key_states = self.k_norm(key_states)
             key_states = apply_rotary_pos_emb(key_states, cos, sin, unsqueeze_dim=2)

@@ -83,8 +83,19 @@ STACKED_PARAMS_MAPPING = {
     "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
 }
 packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"], "qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-# No tensor parallelism: the original config has no base_model_tp_plan.
-TP_PLAN = None
+# Tensor parallelism (`from_pretrained(path, tp_plan="auto")` under torchrun): the config's `base_model_tp_plan`
+# with the merged projections' rules fused (styles in fusegen.runtime.tp):
+#   (the plan of Qwen2_5_VLTextConfig; the base models built with another config have none)
+#   gate_up_proj, qkv_proj: `fusegen_merged_colwise`, each piece split as its own `colwise` rule split it
+#   layers.*.self_attn: `fusegen_local_heads`, q/k/v sharded by query and kv heads
+#   every other rule: the config's own
+TP_PLAN = {
+    "layers.*.self_attn": "fusegen_local_heads",
+    "layers.*.self_attn.qkv_proj": "fusegen_merged_colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_up_proj": "fusegen_merged_colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
 @use_kernel_forward_from_hub("RMSNorm")

@@ -173,25 +173,47 @@ def test_mla_mapping_names_fused_qkv_a_proj(built):
 
 
 def test_mla_generated_class_keeps_both_branches():
-    """`__init__`: the merged construction sits in the branch of the original condition, the always-built
-    kv_a_proj_with_mqa in the other; `forward`: the merged call is guarded by the merged linear's existence, and
-    the `q_lora_rank is None` branch still calls q_proj as the original does."""
+    """`__init__`: one `if` on the original condition, whose branch builds the merged construction and whose other
+    branch builds the always-built kv_a_proj_with_mqa, both at the last projection's place; `forward`: the merged
+    call is guarded by the merged linear's existence, and the `q_lora_rank is None` branch still calls q_proj as the
+    original does."""
     cls = fused_deepseek_v3.FusedDeepseekV3Attention
     init = inspect.getsource(cls.__init__)
     tree = ast.parse(inspect.cleandoc("\n" + init) if init.startswith(" ") else init)
-    assigns = {ast.unparse(n.targets[0]): n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)}
-    merged = assigns["self.fused_qkv_a_proj"]
-    assert isinstance(merged, ast.IfExp) and ast.unparse(merged.test) == "self.q_lora_rank is not None"
-    assert ast.unparse(merged.body.func) == "MergedColumnLinear" and ast.unparse(merged.orelse) == "None"
-    kept = assigns["self.kv_a_proj_with_mqa"]
-    assert ast.unparse(kept.test) == "self.fused_qkv_a_proj is not None" and ast.unparse(kept.body) == "None"
-    assert ast.unparse(kept.orelse.func) == "nn.Linear"
-    assert "self.q_a_proj" not in init
+    [merge] = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "fused_qkv_a_proj" in ast.unparse(n.body[0])]
+    assert ast.unparse(merge.test) == "self.q_lora_rank is not None"
+    body, orelse = ([ast.unparse(stmt) for stmt in branch] for branch in (merge.body, merge.orelse))
+    assert body[0].startswith("self.fused_qkv_a_proj = MergedColumnLinear(") and body[1:] == [
+        "self.fused_qkv_a_proj_sizes = self.fused_qkv_a_proj.output_sizes",
+        "self.kv_a_proj_with_mqa = None",
+    ]
+    assert orelse[:2] == ["self.fused_qkv_a_proj = None", "self.fused_qkv_a_proj_sizes = None"]
+    assert orelse[2].startswith("self.kv_a_proj_with_mqa = nn.Linear(") and len(orelse) == 3
+    assert "self.q_a_proj" not in init and " if self.fused_qkv_a_proj is not None else " not in init
     forward = inspect.getsource(cls.forward)
     assert "if self.fused_qkv_a_proj is not None:" in forward
     assert "kv_a_proj_with_mqa_out = self.kv_a_proj_with_mqa(hidden_states)" in forward
     assert "q_states = self.q_proj(hidden_states)" in forward
     assert "self.q_b_proj(self.q_a_layernorm(q_a_proj_out))" in forward
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_mla_construction_registers_and_draws_as_the_original(q_lora_rank):
+    """Built from one seed, the fused DeepSeek V3 registers its parameters in the original's order, the merged linear
+    at its last piece's place (where the flat conditional merge builds it, `rewrite_init._conditional_merge`; the one
+    `if` block keeps that place), and leaves the random generator where the original does."""
+    from tests.test_gemma4_qkv import merged_order
+
+    config = small_config(DeepseekV3Config, **MLA, q_lora_rank=q_lora_rank, first_k_dense_replace=1)
+    torch.manual_seed(0)
+    original = DeepseekV3ForCausalLM(config)
+    after_original = torch.get_rng_state()
+    torch.manual_seed(0)
+    fused = fused_deepseek_v3.FusedDeepseekV3ForCausalLM(config)
+    assert torch.equal(torch.get_rng_state(), after_original)
+    mapping = fused_deepseek_v3.STACKED_PARAMS_MAPPING
+    assert [name for name, _ in fused.named_parameters()] == merged_order(original, fused, mapping, at="last")
+    assert any("fused_qkv_a_proj" in name for name, _ in fused.named_parameters()) is (q_lora_rank is not None)
 
 
 def test_mla_without_q_lora_rank_still_demands_its_own_tensors(built, tmp_path):

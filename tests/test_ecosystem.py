@@ -229,6 +229,15 @@ SAME_SEED = {
     },
     "no-init": {"target_modules": ["q_proj", "k_proj", "o_proj", "gate_proj"], "init_lora_weights": False},
     "gaussian": {"target_modules": ["q_proj", "v_proj", "up_proj"], "init_lora_weights": "gaussian"},
+    # one dropout mask per adapted piece, drawn in the original's order (PieceDropout)
+    "dropout-q_v": {"target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1},
+    "dropout-all-linear": {"target_modules": "all-linear", "lora_dropout": 0.3},
+    "dropout-ranks": {
+        "target_modules": ["k_proj", "v_proj", "up_proj"],
+        "rank_pattern": {"v_proj": 8},
+        "alpha_pattern": {"v_proj": 16},
+        "lora_dropout": 0.2,
+    },
 }
 
 
@@ -275,11 +284,12 @@ def test_same_seed_lora_is_the_originals_adapter_and_run(checkpoint, model_type,
 
 
 def test_lora_targets_keep_the_originals_module_order():
-    """What same-seed parity rests on: the modules PEFT can adapt come in the original's order, a merged linear's
-    pieces where the original has them, in every generated file built around a causal LM (tiny configs, on the meta
-    device). The known exceptions: deepseek_v3's fused_qkv_a_proj (q_a_proj + kv_a_proj_with_mqa) is built after
-    q_b_proj, which the original builds after q_a_proj; gemma3's Siglip attention builds k, v, q, its merged linear
-    holds q, k, v. An adapter on those pieces draws them in another order (docs/ecosystem.md)."""
+    """Where the fused model's order of adaptable modules differs from the original's, a merged linear's pieces
+    counted where the merged linear is (tiny configs, on the meta device): there PEFT's injection draws in another
+    order, and `replay_in_original_order` draws the adapter again in the original's
+    (`test_same_seed_lora_init_on_every_type` checks the numbers). deepseek_v3's fused_qkv_a_proj
+    (q_a_proj + kv_a_proj_with_mqa) is built after q_b_proj, which the original builds between them; gemma3's
+    Siglip attention builds k, v, q, its merged linear holds q, k, v."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -317,6 +327,120 @@ def test_lora_targets_keep_the_originals_module_order():
         # Siglip's attention builds k_proj, v_proj, q_proj in that order; the merged qkv_proj is in q, k, v row order.
         "gemma3": "model.vision_tower.encoder.layers.0.self_attn.q_proj",
     }
+
+
+def test_same_seed_lora_init_on_every_type():
+    """`get_peft_model` at one seed, adapting every linear of the original but `lm_head` (by name), on the fused model
+    gives bit for bit the original's initial adapter (canonical names) and leaves the generator where the original's
+    leaves it, on every causal-LM type, with init True, False and "gaussian". The types whose module order differs (deepseek_v3, gemma3's Siglip
+    attention) are redrawn in the original's order (`replay_in_original_order`, seen to run for those two only);
+    with the redraw switched off they differ (the control)."""
+    import copy
+    from types import SimpleNamespace
+
+    from peft import get_peft_model_state_dict
+
+    from fusegen.runtime import peft as fused_peft
+    from fusegen.testkit import tiny_config
+
+    def initial(model, targets, init, replay=None):
+        """The initial adapter at seed 11, the generator state after it, and whether the adapter was redrawn."""
+        calls = []
+        real = fused_peft.replay_in_original_order
+
+        def recording(*args):
+            calls.append(real(*args) if replay is None else replay(*args))
+            return calls[-1]
+
+        fused_peft.replay_in_original_order = recording
+        try:
+            torch.manual_seed(11)
+            adapted = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=targets,
+                                                       init_lora_weights=init))  # fmt: skip
+        finally:
+            fused_peft.replay_in_original_order = real
+        state = {k: v.clone() for k, v in get_peft_model_state_dict(adapted).items()}
+        return state, torch.get_rng_state(), any(calls)
+
+    types = _causal_lm_types()
+    assert {"deepseek_v3", "gemma3", "llama"} <= set(types)
+    checked, redrawn, control = 0, set(), {}
+    for model_type in types:
+        config_class, original_class, fused_class = model_classes(model_type)
+        config = tiny_config(SimpleNamespace(config_class=config_class, causal_lm=original_class))
+        original, fused = original_class(config), fused_class(config)
+        targets = sorted({n.rpartition(".")[2] for n, m in original.named_modules() if isinstance(m, nn.Linear)})
+        targets.remove("lm_head")
+        for init in (True, False, "gaussian"):
+            expected, state, _ = initial(copy.deepcopy(original), targets, init)
+            actual, fused_state, replayed = initial(copy.deepcopy(fused), targets, init)
+            assert sorted(actual) == sorted(expected), (model_type, init)
+            unequal = [k for k in expected if not torch.equal(actual[k], expected[k])]
+            assert not unequal, (model_type, init, len(unequal), unequal[:3])
+            assert torch.equal(state, fused_state), (model_type, init)
+            checked += 1
+            if replayed:
+                redrawn.add(model_type)
+                unreplayed, _, _ = initial(copy.deepcopy(fused), targets, init, replay=lambda *args: False)
+                control[model_type, init] = sum(not torch.equal(unreplayed[k], expected[k]) for k in expected)
+    print(
+        f"{checked} cases bit-identical; redrawn: {sorted(redrawn)}; tensors differing without the redraw: {control}"
+    )
+    assert redrawn == {"deepseek_v3", "gemma3"}, redrawn
+    assert all(count > 0 for count in control.values()), control
+
+
+def _causal_lm_types():
+    """The model types of the generated files built around a causal LM (they register it)."""
+    from pathlib import Path
+
+    files = Path("generated").glob("fused_*.py")
+    return sorted(p.stem.removeprefix("fused_") for p in files if "\nregister_fused_causal_lm(" in p.read_text())
+
+
+def test_lora_dropout_draws_follow_the_originals_calls():
+    """What same-seed parity with `lora_dropout > 0` rests on: the original's forward calls a merged linear's
+    pieces one after the other (no other adaptable module called in between) and in row order, so the merged
+    layer's per-piece masks (`PieceDropout`, drawn in row order at the merged call) are the original's draws. Checked
+    on each causal-LM type's original (tiny config, one forward, hooks recording the calls). The known exception:
+    deepseek_v3 calls q_a_proj, q_b_proj, then kv_a_proj_with_mqa, so with dropout on q_b_proj and on a piece of
+    fused_qkv_a_proj the masks are drawn in another order (docs/ecosystem.md)."""
+    from types import SimpleNamespace
+
+    from fusegen.compiler.modal_inputs import forward_inputs
+    from fusegen.runtime.peft import merged_linears
+    from fusegen.testkit import random_input, tiny_config
+
+    def adaptable(module):
+        return isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)) or type(module).__name__ == "Conv1D"
+
+    types = _causal_lm_types()
+    assert "llama" in types and len(types) > 5
+    differing = {}
+    for model_type in types:
+        config_class, original_class, fused_class = model_classes(model_type)
+        config = tiny_config(SimpleNamespace(config_class=config_class, causal_lm=original_class))
+        torch.manual_seed(0)
+        original = original_class(config).eval()
+        with torch.device("meta"):
+            merged = merged_linears(fused_class(config))
+        calls = []
+        for name, module in original.named_modules():
+            if adaptable(module):
+                module.register_forward_pre_hook(lambda module, args, name=name, calls=calls: calls.append(name))
+        with torch.no_grad():  # text, and images where the forward takes them (gemma3's Siglip tower)
+            original(**forward_inputs(original, config, random_input(config)))
+        for m in merged.values():
+            pieces = [m.piece_path(piece) for piece in m.pieces]
+            first = [i for i, name in enumerate(calls) if name == pieces[0]]
+            assert first, (model_type, pieces[0])
+            for start in first:
+                if calls[start : start + len(pieces)] != pieces:
+                    differing.setdefault(model_type, (pieces, calls[start : start + len(pieces)]))
+    print(differing)
+    assert set(differing) == {"deepseek_v3"}, differing
+    pieces, called = differing["deepseek_v3"]
+    assert called[:2] == ["model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.q_b_proj"], called
 
 
 def test_merge_and_unload_gives_the_adapted_outputs(checkpoint, tmp_path):

@@ -10,7 +10,8 @@ header names (its own source file, parsed here, not by fusegen), and:
 
 "Untouched" is computed here from the two files alone, independently of the splicer's bookkeeping: a
 statement is untouched when the generated class holds a statement with the same AST once the class names
-are renamed (for a compound statement, `def`/`if`/`for`/..., only its header is compared, and its body's
+are renamed, at the same indentation (a statement a rewrite copied into a new block, as the branches of a
+conditional merge hold the statements between the projections, is generated text) (for a compound statement, `def`/`if`/`for`/..., only its header is compared, and its body's
 statements count on their own). Its lines are then compared line by line with that statement's lines in the
 generated file. A statement the rewrite changed has no such twin and is not counted; one the emitter
 reformatted although the rewrite left it alone has a twin whose lines differ, and lowers the figure.
@@ -77,11 +78,11 @@ def _units(node: ast.AST, lines: list[str], renames: dict[str, str]):
                 end = min(_first_line(block[0]) for block in blocks if hasattr(block[0], "lineno"))
                 span = [line for line in lines[_first_line(child) - 1 : end - 1] if line.strip()]
                 span = [line for line in span if not line.lstrip().startswith("#")]
-                yield _renamed_dump(child, renames, header_only=True), span, child, following
+                yield f"{child.col_offset}:{_renamed_dump(child, renames, header_only=True)}", span, child, following
                 yield from _units(child, lines, renames)
             else:
                 span = lines[child.lineno - 1 : child.end_lineno]
-                yield _renamed_dump(child, renames, header_only=False), span, child, following
+                yield f"{child.col_offset}:{_renamed_dump(child, renames, header_only=False)}", span, child, following
 
 
 def _blank_lines(lines: list[str], before: ast.AST, after: ast.AST) -> int:

@@ -82,6 +82,7 @@ def test_the_registry_finds_one_kind_per_module_in_priority_order():
         ("qkv", "fusegen.fusions.qkv"),
         ("glu", "fusegen.fusions.glu"),
         ("merged_column", "fusegen.fusions.siblings"),
+        ("packed_qkv", "fusegen.fusions.packed_qkv"),
         ("rmsnorm", "fusegen.fusions.rmsnorm"),
     ]
     assert [kind.name for kind in fusions.kinds() if kind.head_sharded] == ["qkv"]

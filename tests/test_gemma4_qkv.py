@@ -279,16 +279,81 @@ def test_forward_input_spelled_differently_is_refused():
 
 
 def test_generated_class_reads_as_the_original():
-    """The merged linear at q_proj's place under the conjunction of the conditions v_proj was built under; k_proj kept
-    in its block; the forward's merged call guarded by the merged linear's existence, k's own call kept."""
+    """One `if` on the conjunction of the conditions v_proj was built under: its branch builds the merged linear at
+    q_proj's place, the other q_proj and k_proj as the original does, each in the original's order; the forward's
+    merged call guarded by the merged linear's existence, and k/v taken from it or from k_proj in one `if`."""
     init = inspect.getsource(fused_gemma4_text.FusedGemma4TextAttention.__init__)
-    assert "if not self.is_kv_shared_layer and (not self.use_alternative_attention)" in init
-    assert "self.q_proj = (\n            None\n            if self.qkv_proj is not None" in init
-    assert "self.v_proj" not in init
+    tree = ast.parse(textwrap.dedent(init))
+    [merge] = [node for node in ast.walk(tree) if isinstance(node, ast.If) and "use_alternative_attention" in
+               ast.unparse(node.test)]  # fmt: skip
+    assert ast.unparse(merge.test) == "not self.is_kv_shared_layer and (not self.use_alternative_attention)"
+    built = [[ast.unparse(n.targets[0]) for n in ast.walk(ast.Module(branch, [])) if isinstance(n, ast.Assign)]
+             for branch in (merge.body, merge.orelse)]  # fmt: skip
+    norms = ["self.q_norm", "self.k_norm", "self.v_norm"]
+    assert built[0] == ["self.qkv_proj", "self.qkv_proj_sizes", "self.q_proj", *norms, "self.k_proj"]
+    assert built[1] == ["self.qkv_proj", "self.qkv_proj_sizes", "self.q_proj", *norms, "self.k_proj"]
+    assert " if self.qkv_proj is not None else " not in init and "self.v_proj" not in init
     forward = inspect.getsource(fused_gemma4_text.FusedGemma4TextAttention.forward)
     assert "if self.qkv_proj is not None:\n            q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(" in forward
-    assert "k_proj_out if self.qkv_proj is not None else self.k_proj(hidden_states)" in forward
-    assert "v_proj_out.view(hidden_shape) if self.qkv_proj is not None else key_states" in forward
+    assert " if self.qkv_proj is not None else " not in forward
+    assert (
+        "if self.qkv_proj is not None:\n                key_states = k_proj_out.view(hidden_shape)\n"
+        "                value_states = v_proj_out.view(hidden_shape)\n            else:\n"
+        "                key_states = self.k_proj(hidden_states).view(hidden_shape)\n"
+        "                value_states = key_states\n"
+    ) in forward
+
+
+def merged_order(original: nn.Module, fused: nn.Module, mapping, at: str = "first") -> list[str]:
+    """The original's parameter names in registration order, each piece of a merged linear the fused model has
+    replaced by the merged linear's name at its `first` (or `last`) piece's place (read off the mapping, not the
+    runtime)."""
+    fused_names = dict(fused.named_parameters())
+    order = []
+    for name in dict(original.named_parameters()):
+        owner, _, rest = name.rpartition(".")
+        module, _, attribute = owner.rpartition(".")
+        for merged, pieces in mapping.items():
+            candidate = f"{module}.{merged}.{rest}"
+            if attribute in [piece for piece, _ in pieces] and candidate in fused_names:
+                name = candidate
+        if at == "last" and name in order:
+            order.remove(name)
+        if name not in order:
+            order.append(name)
+    return order
+
+
+def merged_values(original: nn.Module, name: str, mapping) -> torch.Tensor:
+    """The original's tensor for fused parameter `name`: its own, or its pieces' stacked in row order."""
+    own = dict(original.named_parameters())
+    if name in own:
+        return own[name]
+    owner, _, leaf = name.rpartition(".")
+    module, _, merged = owner.rpartition(".")
+    return torch.cat(
+        [own[f"{module}.{piece}.{leaf}"] for piece, _ in mapping[merged] if f"{module}.{piece}.{leaf}" in own]
+    )
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_construction_registers_and_draws_as_the_original(variant):
+    """Built from one seed, the fused model registers its parameters in the original's order (each merged linear at
+    its first piece's place), holds the original's initial values (the merged ones: the pieces' values stacked,
+    so the same random numbers were drawn in the same order for tensors of the same shapes) and leaves the random
+    generator where the original leaves it: the `if` block changed no construction order."""
+    config = gemma4_config(**VARIANTS[variant])
+    torch.manual_seed(0)
+    original = Gemma4ForCausalLM(config)
+    after_original = torch.get_rng_state()
+    torch.manual_seed(0)
+    fused = fused_gemma4_text.FusedGemma4ForCausalLM(config)
+    assert torch.equal(torch.get_rng_state(), after_original)
+    assert [name for name, _ in fused.named_parameters()] == merged_order(original, fused, MAPPING)
+    merged = [name for name, _ in fused.named_parameters() if "qkv_proj" in name]
+    assert merged or variant in ("shared_k_eq_v",), "no layer of the variant merges"
+    for name, parameter in fused.named_parameters():
+        assert torch.equal(parameter, merged_values(original, name, MAPPING)), name
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -138,17 +138,27 @@ def test_the_meta_recording_runs_the_vision_tower_on_an_image():
     assert {"CLIPAttention", "CLIPMLP", "LlamaAttention"} <= reached
 
 
-def test_a_file_without_tp_plan_advertises_no_plan_in_its_heads_either():
-    """fused_qwen2_5_vl.py has TP_PLAN = None (its composite config has no base_model_tp_plan): the whole model's plan
-    is empty, not an `lm_head` rule alone over an unsharded tied embedding. A file with a plan keeps the head's rule.
-    """
-    from transformers import LlamaConfig
+def test_the_tp_plan_comes_from_the_one_config_that_has_one():
+    # Qwen2.5-VL's plan lives in its text config (the composite and vision configs have none); a file whose base
+    # models carry two different plans gets no TP_PLAN rather than one plan applied to the other's modules.
+    from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 
-    from fusegen.testkit import small_config
-    from generated.fused_llama import FusedLlamaForCausalLM
+    from fusegen.compiler.instantiate import instantiate
+    from fusegen.compiler.mappings import planned_config
 
-    _, fused_class, config = parts("qwen2_5_vl")
-    assert importlib.import_module("generated.fused_qwen2_5_vl").TP_PLAN is None
-    assert fused_class(config).tp_plan == {}
-    llama = FusedLlamaForCausalLM(small_config(LlamaConfig, num_key_value_heads=2))
-    assert llama.tp_plan["lm_head"] == "colwise_gather_output" and "layers.*.self_attn.qkv_proj" in str(llama.tp_plan)
+    found, reason = planned_config(instantiate(resolve("qwen2_5_vl")))
+    assert type(found).__name__ == "Qwen2_5_VLTextConfig" and reason is None
+    assert importlib.import_module("generated.fused_qwen2_5_vl").TP_PLAN["layers.*.self_attn.qkv_proj"]
+
+    class Two(PreTrainedModel):
+        config_class = LlamaConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.first, self.second = LlamaModel(config), LlamaModel(LlamaConfig(**config.to_dict()))
+            self.second.config.base_model_tp_plan = {"layers.*.mlp.down_proj": "rowwise"}
+
+    with torch.device("meta"):
+        tiny = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+        found, reason = planned_config(Two(tiny))
+    assert found is None and "different base_model_tp_plans" in reason

@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -67,8 +68,9 @@ MLA = {  # tiny DeepSeek MLA + MoE sizes; 4 heads, as many kv heads (MLA expands
     "first_k_dense_replace": 1,
     **TOKENS,
 }
-BUILT = ("deepseek_v2",)
-"""Model types with no checked-in fused file: built into the launch directory (`built/fused_<type>.py`)."""
+BUILT = ("deepseek_v2", "falcon", "gpt_bigcode")
+"""Model types with no checked-in fused file: built into the launch directory (`built/fused_<type>.py`) for the
+cases that run a fused class (`mla`, `generated-packed`)."""
 # name -> (model type, config overrides, how the case runs). Heads are 4 unless overridden (fusegen/testkit.py SMALL).
 CASES = {
     2: {
@@ -134,8 +136,27 @@ CASES = {
         "mla-v2-no-q-lora": ("deepseek_v2", {**MLA, "q_lora_rank": None}, "mla"),
         "mla-v2-all-moe": ("deepseek_v2", {**MLA, "q_lora_rank": 24, "first_k_dense_replace": 0}, "mla"),
     },
+    "2-packed-generated": {  # N=2: generated classes whose packed q/k/v declares its row layout (packed_qkv kind)
+        "falcon-generated-groups": (
+            "falcon",
+            {"new_decoder_architecture": True, "num_kv_heads": 2, **TOKENS},
+            "generated-packed",
+        ),
+        "falcon-generated-mha": (
+            "falcon",
+            {"new_decoder_architecture": False, "multi_query": False, "bias": True, **TOKENS},
+            "generated-packed",
+        ),
+        "falcon-generated-mqa": (  # contiguous [q; k; v], the one kv head on both ranks
+            "falcon",
+            {"new_decoder_architecture": False, "multi_query": True, **TOKENS},
+            "generated-packed",
+        ),
+        "bigcode-generated-mha": ("gpt_bigcode", {"multi_query": False, **TOKENS}, "generated-packed"),
+        "bigcode-generated-mqa": ("gpt_bigcode", {"multi_query": True, **TOKENS}, "generated-packed"),
+    },
 }
-WORLD_SIZES = {"2-mla": 2}
+WORLD_SIZES = {"2-mla": 2, "2-packed-generated": 2}
 """The world size of a launch whose key in CASES is not its world size."""
 ERRORS = {
     "heads-3": "num_attention_heads=3 is not divisible by N",
@@ -423,6 +444,46 @@ def _packed_grads(model_type, path):
     return {"grad_max_diff": max(diffs), "packed_grad_max": packed_grad, "parameters": len(diffs)}
 
 
+def _generated_packed(model_type, path):
+    """The generated class (packed q/k/v declaring its row layout) sharded by `apply_packed_tp_plan`, against the
+    single-process original; this rank's packed rows against the original's, cut by heads independently of the
+    runtime (the canonical q/k/v of the original's weight, this rank's query heads and kv heads, merged in the local
+    layout)."""
+    from fusegen.fusions.packed_qkv import declared_layout
+    from fusegen.runtime.layout import layout_of
+    from fusegen.runtime.tp import apply_packed_tp_plan
+
+    original_class, fused_class = _built_classes(model_type, path)
+    tp = fused_class.from_pretrained(path).eval()
+    plan = apply_packed_tp_plan(tp)
+    single = original_class.from_pretrained(path).eval()
+    input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, single_logits = tp(input_ids).logits, single(input_ids).logits
+    greedy = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    prompt = input_ids[:1, :5]
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    attention = next(m for m in tp.modules() if hasattr(m, "tp_partition"))
+    theirs = next(m for m in single.modules() if declared_layout(m) is not None)
+    attribute, full = declared_layout(theirs)
+    packed = getattr(attention, attribute)
+    q, k, v = full.split(getattr(theirs, attribute).weight.detach())
+    head_dim = theirs.head_dim
+    mine = [q.view(-1, head_dim, q.shape[-1]).chunk(world_size)[rank].flatten(0, 1)]
+    for piece in (k, v):  # a kv piece of fewer heads than ranks is replicated (every rank reads its one head)
+        heads = piece.view(-1, head_dim, piece.shape[-1])
+        mine.append(heads.chunk(world_size)[rank].flatten(0, 1) if len(heads) % world_size == 0 else piece)
+    local = layout_of(packed)
+    return {
+        "vs_single": (logits - single_logits).abs().max().item(),
+        "greedy_single": torch.equal(tp.generate(prompt, **greedy), single.generate(prompt, **greedy)),
+        "full_layout": full.describe(),
+        "local_layout": local.describe(),
+        "rows_exact": torch.equal(packed.weight.detach(), local.merge(mine)),
+        "styles": sorted(set(plan.values())),
+    }
+
+
 def _built_classes(model_type, path):
     """`(original, fused)` causal LM classes; the fused one from the checked-in file or, for `BUILT` types, from the
     file the launcher built next to the checkpoints."""
@@ -518,6 +579,8 @@ def _run_case(model_type, path, how, out):
         return _unhonoured(model_type, path)
     if how in ("packed", "refuse-packed"):
         return _packed(model_type, path, how)
+    if how == "generated-packed":
+        return _generated_packed(model_type, path)
     if how == "grads-packed":
         return _packed_grads(model_type, path)
     if how == "save":
@@ -556,7 +619,8 @@ def _worker(rank, world_size, port, cases, out_dir):
             try:
                 results[name] = _run_case(model_type, path, how, f"{out_dir}/{name}-saved")
             except Exception as error:  # noqa: BLE001 (recorded per case: one failure must not hide the others)
-                results[name] = {"failed": f"{type(error).__name__}: {error}"}
+                where = traceback.extract_tb(error.__traceback__)[-12:]
+                results[name] = {"failed": f"{type(error).__name__}: {error}", "where": traceback.format_list(where)}
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
@@ -596,7 +660,8 @@ def _checkpoints(root: Path, cases: dict) -> dict:
     """Save one random original-class checkpoint per case; the cases as the workers take them."""
     from fusegen.compiler.build import build
 
-    for model_type in sorted({case[0] for case in cases.values()} & set(BUILT)):
+    fused_types = {case[0] for case in cases.values() if case[2] in ("mla", "generated-packed")}
+    for model_type in sorted(fused_types & set(BUILT)):
         (root / "built").mkdir(exist_ok=True)
         (root / "built" / f"fused_{model_type}.py").write_text(build(model_type).text)
     prepared = {}
@@ -649,6 +714,9 @@ def _results(launched, world_size, name):
     cases, results = launched(world_size)
     per_rank = [ranks[name] for ranks in results]
     failed = [f"rank {rank}: {result['failed']}" for rank, result in enumerate(per_rank) if "failed" in result]
+    for rank, result in enumerate(per_rank):
+        if "failed" in result:
+            print(f"rank {rank} failed at:", *result["where"], sep="\n")
     assert not failed, "; ".join(failed)  # every rank: a timeout on one rank often follows an error on another
     return cases[name], per_rank
 
@@ -778,6 +846,30 @@ def test_packed_qkv_tp_matches_single_process(launched, world_size, name):
         assert result["packed_rows"] == rows, result  # sharded: fewer rows than the packed tensor's
         assert result["kv_groups"] == (None if model_type in ("gpt2", "falcon") else kv_groups), result
         assert result["styles"] == ["fusegen_packed_colwise", "fusegen_packed_rowwise"] and result["sharded"] == 4
+
+
+GENERATED_LAYOUTS = {  # (full layout, each rank's layout): head_dim 16, 4 heads
+    "falcon-generated-groups": ("2 groups of [32, 16, 16]", "contiguous [32, 16, 16]"),  # one group: [q; k; v]
+    "falcon-generated-mha": ("4 groups of [16, 16, 16]", "2 groups of [16, 16, 16]"),
+    "falcon-generated-mqa": ("contiguous [64, 16, 16]", "contiguous [32, 16, 16]"),
+    "bigcode-generated-mha": ("4 groups of [16, 16, 16]", "2 groups of [16, 16, 16]"),
+    "bigcode-generated-mqa": ("contiguous [64, 16, 16]", "contiguous [32, 16, 16]"),
+}
+
+
+@pytest.mark.parametrize(("key", "name"), _cases("generated-packed"))
+def test_generated_packed_qkv_tp_follows_the_declared_layout(launched, key, name):
+    """The generated Falcon and GPT-BigCode classes, sharded by their packed linear's declared row layout (whole kv
+    groups or heads per rank; q by heads and the one kv head replicated for multi-query): the single-process
+    original's logits and greedy tokens, each rank's packed rows exactly the original's rows of its heads, and the
+    packed linear declaring this rank's layout afterwards."""
+    _, per_rank = _results(launched, key, name)
+    for rank, result in enumerate(per_rank):
+        print(f"N=2 {name} rank {rank}: {json.dumps(result)}")
+        assert result["vs_single"] <= TOLERANCE and result["greedy_single"], result
+        assert (result["full_layout"], result["local_layout"]) == GENERATED_LAYOUTS[name], result
+        assert result["rows_exact"], result
+        assert result["styles"] == ["fusegen_packed_colwise", "fusegen_packed_rowwise"], result
 
 
 @pytest.mark.parametrize(("world_size", "name"), _cases("refuse-packed"))

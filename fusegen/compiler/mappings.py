@@ -50,18 +50,55 @@ def checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str]
 
 
 def tensor_parallel(model: nn.Module, plans: list[FusionPlan], scopes: dict) -> dict:
-    """Template data for tensor parallelism: the fused form of the config's `base_model_tp_plan` (or why there is
-    none); see fusegen/runtime/tp/. The kinds say which merged linears hold attention heads
-    (`Kind.head_sharded`), except a merge that exists only in some configs (`FusionPlan.kept`, see
+    """Template data for tensor parallelism: the fused form of the `base_model_tp_plan` of the one config that has
+    one (`planned_config`), or why there is none; see fusegen/runtime/tp/. The kinds say which merged linears hold
+    attention heads (`Kind.head_sharded`), except a merge that exists only in some configs (`FusionPlan.kept`, see
     `head_sharded_everywhere`)."""
-    original = getattr(model.config, "base_model_tp_plan", None)
+    found, reason = planned_config(model)
+    if found is None:
+        return {"tp_plan": None, "tp_reason": reason, "tp_notes": []}
     heads = {plan.merged for plan in plans if head_sharded_everywhere(plan)}
     kept = {name for fusion in plans for name in fusion.kept}
     stacked = stacked_mapping(plans)
-    plan, reason = fused_plan_from(original, stacked, scopes, heads=heads, kept=kept)
+    plan, reason = fused_plan_from(found.base_model_tp_plan, stacked, scopes, heads=heads, kept=kept)
     if not plan:
         return {"tp_plan": None, "tp_reason": reason, "tp_notes": []}
-    return {"tp_plan": repr(plan), "tp_reason": None, "tp_notes": tp_notes(plan, stacked, kept)}
+    notes = tp_notes(plan, stacked, kept)
+    if found is not model.config:
+        notes.insert(0, f"(the plan of {type(found).__name__}; the base models built with another config have none)")
+    return {"tp_plan": repr(plan), "tp_reason": None, "tp_notes": notes}
+
+
+def planned_config(model: nn.Module) -> tuple[Any, str | None]:
+    """The config whose `base_model_tp_plan` a generated file's `TP_PLAN` is the fused form of: `(config, None)` or
+    `(None, why none)`.
+
+    Transformers gives each base model (a `PreTrainedModel` that is its own `base_model`) the plan of ITS config,
+    and a model nesting others collects their plans under their prefixes (`init_parallel_plans`). A causal LM's
+    base model has the root's config; a multimodal model's text model has the text config (Qwen2.5-VL's, Gemma 3's
+    plan lives there, the composite and vision configs have none), and its vision tower typically has none, so
+    Transformers shards the text model and replicates the tower. The runtime applies `TP_PLAN` to the base models
+    whose config has a plan (`fusegen.runtime.tp.init_fused_parallel_plans`), so one `TP_PLAN` is right only if
+    all those plans are one: base models whose configs carry different plans (a vision config with its own plan)
+    get no `TP_PLAN` rather than one plan applied to the other's modules.
+    """
+    from transformers import PreTrainedModel
+
+    configs = {}
+    for module in model.modules() if isinstance(model, nn.Module) else ():
+        if isinstance(module, PreTrainedModel) and module.base_model is module:
+            config = module.config
+            if getattr(config, "base_model_tp_plan", None):
+                configs.setdefault(id(config), config)
+    if not configs and getattr(model.config, "base_model_tp_plan", None):
+        configs[id(model.config)] = model.config  # no base model among the modules: the root's plan
+    plans = {repr(sorted(config.base_model_tp_plan.items())): config for config in configs.values()}
+    if not plans:
+        return None, "the original config has no base_model_tp_plan"
+    if len(plans) > 1:
+        names = ", ".join(sorted(type(config).__name__ for config in plans.values()))
+        return None, f"the base models' configs carry different base_model_tp_plans ({names}); one TP_PLAN per file"
+    return next(iter(plans.values())), None
 
 
 def tp_notes(plan: dict[str, str], stacked: dict[str, list[tuple]], kept: set[str]) -> list[str]:

@@ -7,7 +7,8 @@ registers its kind with the `@register` class decorator. Nothing else lists the 
 (`fusegen.tools.coverage`) all ask the registry.
 
 The kinds today: `qkv` (qkv.py), `glu` (glu.py), `merged_column` (siblings.py: any other group of sibling
-linears, MLA's `fused_qkv_a_proj` among them).
+linears, MLA's `fused_qkv_a_proj` among them), `packed_qkv` (packed_qkv.py: an already packed q/k/v linear declares
+its row layout), `rmsnorm` (rmsnorm.py).
 
 Adding a kind is one new module here, plus its tests:
 
@@ -27,7 +28,7 @@ Adding a kind is one new module here, plus its tests:
   bit-exact comparison), as `rmsnorm` does.
 
 Kinds sharing one search name the same `Kind.family` (the merged-linear kinds: `LinearKind.family`); the matcher
-asks a family once. `silu.py` and `packed_qkv.py` are skeletons left unregistered (their docstrings say why).
+asks a family once. `silu.py` is a skeleton left unregistered (its docstring says why).
 
 Then decorate the class with `@register`. The generated file is validated by execution like every other fusion
 (`fusegen.compiler.validate`), so a kind that changes numerics is refused there, not shipped.

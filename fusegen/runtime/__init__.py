@@ -15,6 +15,7 @@ from .checkpoint import (
     register_stacked_checkpoint,
 )
 from .files import CheckpointError
+from .layout import RowLayout
 from .linear import MergedColumnLinear, linear_pieces, merged_piece
 from .loading import load_checkpoint, load_weights
 from .peft import AdapterError
@@ -57,6 +58,7 @@ __all__ = [
     "MergedColumnParallel",
     "MergedColumnSplit",
     "PartitionedConcatenate",
+    "RowLayout",
     "StaleGeneratedFile",
     "apply_packed_tp_plan",
     "build_stacked_converters",

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
+
+from .version import source_module
 
 CONFIG_NAME = "config.json"
 
@@ -21,6 +24,30 @@ CONFIG_NAME = "config.json"
 def original_name(class_name: str) -> str:
     """`FusedLlamaForCausalLM` -> `LlamaForCausalLM` (names without the prefix are kept)."""
     return class_name.removeprefix("Fused")
+
+
+def generated_class(cls: type) -> tuple[type, str] | None:
+    """The first class in `cls`'s MRO defined by a generated file, and the modeling module that file was built from.
+
+    Walking the MRO (rather than reading `cls.__module__`) keeps a user's subclass in their own module working.
+    """
+    for klass in cls.__mro__:
+        source = source_module(klass.__module__)
+        if source is not None:
+            return klass, source
+    return None
+
+
+def original_class(cls: type) -> type | None:
+    """The Transformers class a generated class is the fused copy of: `FusedMixtralForCausalLM` ->
+    `MixtralForCausalLM` in the source module; None if there is no such class (then nothing is delegated)."""
+    found = generated_class(cls)
+    if found is None:
+        return None
+    klass, source = found
+    module = sys.modules.get(source)
+    original = getattr(module, original_name(klass.__name__), None) if module is not None else None
+    return original if isinstance(original, type) and original is not klass else None
 
 
 def canonical_architectures(architectures) -> list[str] | None:
@@ -75,3 +102,4 @@ def register_fused_causal_lm(model_class: type) -> None:
         if getattr(key, "__module__", None) == model_class.__module__:  # a re-import or reload replaces its entry
             del extra[key]
     extra[model_class] = model_class
+

@@ -40,7 +40,7 @@ from .merged import stacked_mapping
 _LEAVES = ("weight", "bias")
 
 
-def _is_dtensor(value) -> bool:
+def is_dtensor(value) -> bool:
     return hasattr(value, "device_mesh") and hasattr(value, "placements") and hasattr(value, "to_local")
 
 
@@ -121,7 +121,7 @@ def _canonical_state_dict(owner: nn.Module, state_dict: dict, prefix: str, local
         for leaf in _LEAVES:
             key = f"{prefix}{attribute}.{leaf}"
             value = state_dict.get(key)
-            if not _is_dtensor(value) or value.to_local().is_meta:
+            if not is_dtensor(value) or value.to_local().is_meta:
                 continue
             tensors = piece_dtensors(merged, value)
             del state_dict[key]
@@ -143,20 +143,20 @@ def _merged_from_canonical(owner, state_dict, prefix, local_metadata, strict, mi
             merged_key = f"{prefix}{attribute}.{leaf}"
             wanted = [i for i in range(len(pieces)) if not (leaf == "bias" and i in absent)]
             keys = {i: f"{prefix}{pieces[i]}.{leaf}" for i in wanted}
-            if not _is_dtensor(parameter) or not all(key in state_dict for key in keys.values()):
+            if not is_dtensor(parameter) or not all(key in state_dict for key in keys.values()):
                 continue
             if merged_key in state_dict and state_dict[merged_key] is not parameter:
                 continue  # the merged tensor itself is given; the pieces are left to be reported unexpected
             sizes = full_piece_sizes(merged, parameter)
             values = {i: state_dict.pop(key) for i, key in keys.items()}
             local = parameter.to_local()
-            if not all(_is_dtensor(v) and _storage(v.to_local()) == _storage(local) for v in values.values()):
+            if not all(is_dtensor(v) and _storage(v.to_local()) == _storage(local) for v in values.values()):
                 with torch.no_grad():
                     parts = []
                     for i, size in enumerate(sizes):
                         if i in values:
                             value = values[i]
-                            parts.append(value.full_tensor() if _is_dtensor(value) else value)
+                            parts.append(value.full_tensor() if is_dtensor(value) else value)
                         else:
                             parts.append(local.new_zeros((size, *local.shape[1:])))
                     full = torch.cat([part.to(local.dtype) for part in parts])

@@ -51,6 +51,17 @@ def find_merged_module(model: nn.Module | None, module_path: str) -> nn.Module |
     return None
 
 
+def stored_packed(module: nn.Module | None, attribute: str, mapping: Mapping) -> bool:
+    """Whether the checkpoint stores the merged linear `module` (the child `attribute` of its owner) as one tensor.
+
+    That is a merged linear that declares its row layout (`row_layout`, `fusegen.runtime.layout`) and that no stacked
+    mapping splits into canonical pieces: packed q/k/v whose checkpoint is packed already (Falcon's
+    `query_key_value`, `fusegen.fusions.packed_qkv`). Its checkpoint tensor is the whole merged tensor, rows in the
+    declared order, so loading, saving, quantization and PEFT take it as the one linear the original class has.
+    """
+    return getattr(module, "row_layout", None) is not None and attribute not in mapping
+
+
 def stacked_mapping(model: nn.Module, stacked: Mapping | None = None) -> dict[str, tuple[str, ...]]:
     """Merged linear attribute name -> canonical piece names in row order.
 

@@ -21,8 +21,8 @@ zero-valued entry at zero (SGD, Adam(W), with or without weight decay). Each pie
 gradients from its own rows, which is what training the original's separate LoRAs does. The initial adapter is
 the original's, number for number: each piece's A and B are drawn as PEFT draws them for that piece's own layer,
 in the original's order, and the merged layer's own draws are discarded (`initialise_like_pieces`), so a run
-with the same seed starts from the same adapter and leaves the generator in the same state. The one difference is
-dropout: with `lora_dropout > 0` one dropout mask is drawn per merged linear, not one per piece.
+with the same seed starts from the same adapter and leaves the generator in the same state. With `lora_dropout > 0`
+each adapted piece gets its own dropout mask, drawn as the original's piece layer draws it (`PieceDropout`).
 
 How it plugs in: `install()` wraps five PEFT methods (the target match, the layer creation, the injection, and the
 state-dict remapping on load and save) so that on a fused model PEFT sees canonical names everywhere a user or a
@@ -53,7 +53,7 @@ from torch.nn import functional as F
 
 from .layout import require_contiguous
 from .linear import sizes_attribute
-from .merged import stacked_mapping
+from .merged import stacked_mapping, stored_packed
 
 _PREFIX = "base_model.model."  # what PEFT's files and PeftModel put before the base model's names
 
@@ -117,6 +117,9 @@ def merged_linears(model: nn.Module) -> dict[str, Merged]:
             found[merged_path] = Merged(merged_path, tuple(pieces), tuple(sizes))
     for path, module in model.named_modules():
         unexplained = ".base_layer" not in f".{path}" and path not in found
+        owner, _, attribute = path.rpartition(".")
+        if unexplained and stored_packed(_base_layer(module), attribute, stacked_mapping(model.get_submodule(owner))):
+            continue  # stored packed: PEFT adapts it under its own name, as on the original class
         if unexplained and any(cls.__name__ == "MergedColumnLinear" for cls in type(_base_layer(module)).__mro__):
             raise AdapterError(
                 f"{path} is a merged linear, but no STACKED_PARAMS_MAPPING names its pieces, so no adapter can be "
@@ -307,8 +310,62 @@ class BlockDiagonalLinear(nn.Linear):
         return f"{super().extra_repr()}, blocks={[block[0] for block in self.blocks]}"
 
 
+class PieceDropout(nn.Dropout):
+    """LoRA dropout of a merged linear with several adapted pieces: one mask per adapted piece, in row order.
+
+    On the original each adapted piece's LoRA layer applies its own `nn.Dropout` to the shared input `x`, so a
+    q/v adapter draws two masks of `x`'s shape, q's then v's (the order the original's forward calls the pieces,
+    which is row order wherever `test_lora_dropout_draws_follow_the_originals_calls` finds it). In training this
+    returns the pieces' dropped copies of `x` side by side on the last dimension, `[d_q(x), d_v(x)]`, drawn by the
+    same `F.dropout` calls in that order: the same masks, the same scaled values, and the generator left where the
+    original leaves it. `PieceInputLinear` (LoRA's A) then gives each piece's rank block its own copy. In eval mode,
+    or with p = 0, it returns `x` unchanged, as `nn.Dropout` does.
+    """
+
+    def __init__(self, p: float, count: int, inplace: bool = False):
+        super().__init__(p, inplace)
+        self.count = count
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return torch.cat([F.dropout(x, self.p, True, self.inplace) for _ in range(self.count)], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, one mask per piece: {self.count}"
+
+
+class PieceInputLinear(nn.Linear):
+    """LoRA's A for a merged linear whose adapted pieces each see their own dropped copy of the input.
+
+    Given `x` of `in_features` (eval, no dropout) it is `nn.Linear`. Given the `PieceDropout` copies side by side
+    (`count * in_features`), rank block i (piece i's A, rows `columns[i]`) reads copy i only:
+    `[A_q d_q(x), A_v d_v(x)]`, which is what the original's separate `lora_A` layers compute, each the same
+    `F.linear` of the same shapes. The weight and the state dict are an ordinary `(R, in)` A.
+    """
+
+    def __init__(self, weight: nn.Parameter, packing: Packing):
+        nn.Module.__init__(self)  # nn.Linear's own __init__ would make (and draw) a weight; this one is given
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.register_parameter("bias", None)
+        self.columns = tuple((column, columns) for _, _, _, column, columns in packing.blocks())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] == self.weight.shape[1]:
+            return F.linear(x, self.weight)
+        copies = x.split(self.weight.shape[1], dim=-1)
+        if len(copies) != len(self.columns):
+            raise ValueError(f"{len(copies)} input copies for {len(self.columns)} adapted pieces")
+        return torch.cat(
+            [F.linear(copy_, self.weight[start : start + rows]) for copy_, (start, rows) in zip(copies, self.columns)],
+            dim=-1,
+        )
+
+
 def _pack_layer(layer: nn.Module, adapter: str, packing: Packing) -> None:
-    """Make `layer`'s new adapter block-diagonal (off-block entries zeroed) and record how it is packed."""
+    """Make `layer`'s new adapter block-diagonal (off-block entries zeroed), its dropout one mask per adapted
+    piece (`PieceDropout`, `PieceInputLinear`), and record how it is packed."""
     old = layer.lora_B[adapter]
     new = BlockDiagonalLinear(packing, device=old.weight.device, dtype=old.weight.dtype)
     if not old.weight.is_meta:
@@ -316,6 +373,11 @@ def _pack_layer(layer: nn.Module, adapter: str, packing: Packing) -> None:
             new.weight.copy_(old.weight * new.mask)
     new.weight.requires_grad_(old.weight.requires_grad)
     layer.lora_B[adapter] = new
+    dropout = layer.lora_dropout[adapter]
+    if isinstance(dropout, nn.Dropout) and dropout.p > 0 and len(packing.ranks) > 1:
+        layer.lora_dropout[adapter] = PieceDropout(dropout.p, len(packing.ranks), dropout.inplace)
+        # the same parameter: the state dict, the initialisation below and the optimizer see no change
+        layer.lora_A[adapter] = PieceInputLinear(layer.lora_A[adapter].weight, packing)
     layer.scaling[adapter] = packing.scaling
     layer.__dict__.setdefault("fusegen_packings", {})[adapter] = packing
 
@@ -337,34 +399,205 @@ def _draws_discarded():
     return torch.random.fork_rng(device_type=device.type)
 
 
+def _draw_lora(
+    in_features: int, rank: int, out_features: int, init, bias: bool = False
+) -> tuple[nn.Linear, nn.Linear]:
+    """One LoRA's A and B drawn as PEFT's `LoraLayer.update_layer` draws them for an `nn.Linear` target: the two
+    constructors (`nn.Linear(in, r)`, `nn.Linear(r, out)`, each drawing its kaiming-uniform weight, B its bias
+    too), then `reset_lora_parameters` (True: A kaiming-uniform again; "gaussian": A normal with std 1/r; B and its
+    bias zeroed; False: the constructors' draws stay)."""
+    a, b = nn.Linear(in_features, rank, bias=False), nn.Linear(rank, out_features, bias=bias)
+    if init is True:
+        nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+    elif init == "gaussian":
+        nn.init.normal_(a.weight, std=1 / rank)
+    if init is not False:
+        nn.init.zeros_(b.weight)
+        if bias:
+            nn.init.zeros_(b.bias)
+    return a, b
+
+
+@torch.no_grad()
+def _initialise_piece(layer: nn.Module, adapter: str, block, init) -> None:
+    """Draw one adapted piece's A and B (`_draw_lora`) into its blocks of the merged layer's adapter."""
+    _, row, rows, column, rank = block
+    a_weight, b_weight = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    a, b = _draw_lora(a_weight.shape[1], rank, rows, init)
+    a_weight[column : column + rank].copy_(a.weight)
+    b_weight[row : row + rows, column : column + rank].copy_(b.weight)
+
+
 @torch.no_grad()
 def initialise_like_pieces(layer: nn.Module, adapter: str, packing: Packing, init) -> None:
     """Give `layer`'s packed adapter the numbers PEFT would draw for each adapted piece's own LoRA on the original.
 
     For each target PEFT's `update_layer` creates `lora_A = nn.Linear(in, r)` and `lora_B = nn.Linear(r, out)`
-    (each constructor draws its kaiming-uniform weight) and then, for `init_lora_weights=True`, draws A again
-    (kaiming-uniform; "gaussian": normal with std 1/r) and zeroes B; for False it keeps the constructors' draws.
-    The original creates the pieces one after the other, in the order of its modules; a merged linear sits where
-    its first piece was, with its pieces in the same order (`tests/test_ecosystem.py` checks that for every
-    generated file), so the draws below, made for each adapted piece in row order with the same shapes, generator
-    and calls, are bit for bit the original's, and leave the generator where the original's injection leaves it:
-    every later target (o_proj, gate_up_proj, ...) then draws the original's numbers too. The merged layer's own
-    draws (one `(R, in)` A, one `(out, R)` B) are discarded (`_draws_discarded`). Nothing is drawn when the adapter
-    is created on the meta device (`low_cpu_mem_usage`), as PEFT then draws nothing for the pieces either.
+    and initialises them (`_draw_lora`). The draws below, made for each adapted piece in row order with the same
+    shapes, generator and calls, are bit for bit the original's where the original creates the pieces one after
+    the other in row order, at the merged linear's place among the targets; they then leave the generator where
+    the original's injection leaves it, and every later target draws the original's numbers too. Where the original
+    orders its modules otherwise (deepseek_v3 builds q_b_proj between q_a_proj and kv_a_proj_with_mqa, gemma3's
+    Siglip attention builds k, v, q), `replay_in_original_order` draws the whole adapter again in the original's
+    order. The merged layer's own draws (one `(R, in)` A, one `(out, R)` B) are discarded (`_draws_discarded`).
+    Nothing is drawn when the adapter is created on the meta device (`low_cpu_mem_usage`), as PEFT then draws
+    nothing for the pieces either.
     """
-    a_weight, b_weight = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-    if a_weight.is_meta:
+    if layer.lora_A[adapter].weight.is_meta:
         return
-    for _, row, rows, column, rank in packing.blocks():
-        a, b = nn.Linear(a_weight.shape[1], rank, bias=False), nn.Linear(rank, rows, bias=False)
-        if init is True:
-            nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
-        elif init == "gaussian":
-            nn.init.normal_(a.weight, std=1 / rank)
-        if init is not False:
-            nn.init.zeros_(b.weight)
-        a_weight[column : column + rank].copy_(a.weight)
-        b_weight[row : row + rows, column : column + rank].copy_(b.weight)
+    for block in packing.blocks():
+        _initialise_piece(layer, adapter, block, init)
+
+
+def original_module_order(model: nn.Module) -> list[str] | None:
+    """The module paths of the Transformers class `model` is the fused copy of, in that class's registration order
+    (built on the meta device from a copy of the config: nothing allocated, nothing drawn); None when `model` is not
+    a generated class or its original cannot be built."""
+    from .auto import original_class
+
+    cls = original_class(type(model))
+    config = getattr(model, "config", None)
+    if cls is None or config is None:
+        return None
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            original = cls(copy.deepcopy(config))
+    except Exception:  # noqa: BLE001 (no order to follow: the adapter keeps the fused model's order, as before)
+        return None
+    return [name for name, _ in original.named_modules()]
+
+
+def _generator_states() -> dict:
+    """The CPU generator's state and, for another default device, that device's (what LoRA's draws use)."""
+    states = {"cpu": torch.get_rng_state()}
+    device = torch.get_default_device()
+    if device.type not in ("cpu", "meta"):
+        states[device.type] = getattr(torch, device.type).get_rng_state()
+    return states
+
+
+def _set_generator_states(states: dict) -> None:
+    for kind, state in states.items():
+        (torch if kind == "cpu" else getattr(torch, kind)).set_rng_state(state)
+
+
+def _call_units(model: nn.Module, adapter: str, key: str) -> list[tuple[str, nn.Module, tuple | None]]:
+    """What one `_create_and_replace` call at `key` drew for `adapter`: `(canonical path, LoRA layer, block)`, a
+    block per adapted piece of a merged linear (row order), None for a whole layer. A parameter target
+    (`target_parameters`, PEFT's MoE experts) is its module, with no layer: it cannot be redrawn here."""
+    try:
+        layer = model.get_submodule(key)
+    except AttributeError:
+        return [(key.rpartition(".")[0], None, None)]
+    packing = getattr(layer, "fusegen_packings", {}).get(adapter)
+    if packing is None:
+        return [(key, layer, None)]
+    where = _relocate(packing, key)
+    return [(where.piece_path(block[0]), layer, block) for block in packing.blocks()]
+
+
+def _redrawable(layer: nn.Module, adapter: str, block) -> bool:
+    """A merged linear's piece, or a plain LoRA `nn.Linear` layer without a variant: what `_draw_lora` draws as
+    PEFT does."""
+    if block is not None:
+        return True
+    if layer is None:
+        return False
+    loras = getattr(layer, "lora_A", None)
+    lora_a = loras[adapter] if isinstance(loras, nn.ModuleDict) and adapter in loras else None
+    return (
+        type(lora_a) is nn.Linear
+        and adapter not in getattr(layer, "lora_variant", {})
+        and isinstance(getattr(layer, "get_base_layer", lambda: None)(), nn.Linear)
+    )
+
+
+@torch.no_grad()
+def _redraw(layer: nn.Module, adapter: str, block, init) -> None:
+    if block is not None:
+        _initialise_piece(layer, adapter, block, init)
+        return
+    lora_a, lora_b = layer.lora_A[adapter], layer.lora_B[adapter]
+    a, b = _draw_lora(lora_a.in_features, lora_a.out_features, lora_b.out_features, init, lora_b.bias is not None)
+    lora_a.weight.copy_(a.weight)
+    lora_b.weight.copy_(b.weight)
+    if lora_b.bias is not None:
+        lora_b.bias.copy_(b.bias)
+
+
+def _same_states(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def replay_in_original_order(
+    model: nn.Module, adapter: str, init, order: list[str] | None, calls: list, after
+) -> bool:
+    """Draw again, in the original's module order, the parts of `adapter`'s initial numbers that the fused model's
+    injection drew in another order. Returns whether anything was redrawn.
+
+    PEFT injects in `named_modules()` order and each target draws when it is created (`_create_and_replace`; `calls`
+    holds each call's key and the generator's state before it, `after` the state after the injection). A merged
+    linear sits at one place, so where the original registers another target between its pieces (deepseek_v3:
+    q_a_proj, q_b_proj, kv_a_proj_with_mqa) or its pieces in another order (gemma3's Siglip attention: k, v, q),
+    the fused model's draws come in another order: same distribution, other numbers. The calls are cut into the
+    shortest runs that draw the same pieces and layers as the same run of the original's order; a run whose order
+    differs is drawn again from the generator's state before it, in the original's order (`_draw_lora`: PEFT's own
+    calls for an `nn.Linear` target), so each gets the original's numbers. A run consumes the same draws in either
+    order, so it ends in the state the next call started from (checked; a warning otherwise), and the generator is
+    left as after the injection: where the original's leaves it. A run holding a target that cannot be redrawn
+    here (an embedding or a convolution, a LoRA variant) keeps the fused order, with a warning.
+    """
+    if order is None or not calls:
+        return False
+    units = [[(path, layer, block) for path, layer, block in _call_units(model, adapter, key)] for key, _ in calls]
+    flat = [(index, unit) for index, call in enumerate(units) for unit in call]
+    layers = [unit[1] for _, unit in flat if _redrawable(unit[1], adapter, unit[2])]
+    if not layers or layers[0].lora_A[adapter].weight.is_meta:  # low_cpu_mem_usage: nothing was drawn
+        return False
+    position = {name: index for index, name in enumerate(order)}
+    if any(unit[0] not in position for _, unit in flat):
+        return False
+    ranked = sorted(range(len(flat)), key=lambda i: (position[flat[i][1][0]], i))  # the original's order
+    redrawn, seen, start, consumed = False, set(), 0, 0
+    for call_index, call in enumerate(units):
+        seen.update(range(consumed, consumed + len(call)))
+        consumed += len(call)
+        if seen != set(ranked[:consumed]):
+            continue
+        run = ranked[start:consumed]
+        if run != sorted(run):
+            redrawn |= _redraw_run(model, adapter, init, [flat[i][1] for i in run], calls, start_call=flat[start][0],
+                                   end_call=call_index + 1, after=after)  # fmt: skip
+        start = consumed
+    _set_generator_states(after)
+    return redrawn
+
+
+def _redraw_run(model, adapter, init, run, calls, start_call, end_call, after) -> bool:
+    """Redraw one run of units (in the given, the original's, order) from the state before `start_call`."""
+    unsupported = [path for path, layer, block in run if not _redrawable(layer, adapter, block)]
+    if unsupported:
+        warnings.warn(
+            f"adapter {adapter!r}: the original creates {[path for path, _, _ in run]} in another order than this "
+            f"fused model, and {unsupported[:3]} cannot be drawn again here; their initial numbers have the "
+            "original's distribution but not its values",
+            RuntimeWarning,
+            3,
+        )
+        return False
+    _set_generator_states(calls[start_call][1])
+    for _, layer, block in run:
+        _redraw(layer, adapter, block, init)
+    expected = calls[end_call][1] if end_call < len(calls) else after
+    if not _same_states(_generator_states(), expected):
+        warnings.warn(
+            f"adapter {adapter!r}: redrawing {[path for path, _, _ in run]} in the original's order consumed another "
+            "amount of random numbers; the later targets' initial numbers are not the original's",
+            RuntimeWarning,
+            3,
+        )
+    return True
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -460,6 +693,9 @@ def unpack_state_dict(state_dict: dict, packings: Mapping[str, Packing], adapter
 _MERGED = contextvars.ContextVar("fusegen_merged_linears", default=None)
 """The merged linears of the model PEFT is injecting into, by path (set for the duration of `inject_adapter`)."""
 
+_CALLS = contextvars.ContextVar("fusegen_lora_calls", default=None)
+"""`(key, generator state before)` of each target created while injecting into a fused model."""
+
 
 def _inject_adapter(original):
     def inject_adapter(self, model, adapter_name, *args, **kwargs):
@@ -483,13 +719,17 @@ def _inject_adapter(original):
                         )
             return original(self, model, adapter_name, *args, **kwargs)
         canonicalise_config(config, model, merged)
-        token = _MERGED.set(merged)
+        order = original_module_order(model) if config.init_lora_weights in (True, False, "gaussian") else None
+        token, calls_token = _MERGED.set(merged), _CALLS.set([])
         try:
             with warnings.catch_warnings():  # PEFT checks patterns against merged names; redone below on pieces
                 warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match")
                 result = original(self, model, adapter_name, *args, **kwargs)
+            calls = _CALLS.get()
         finally:
             _MERGED.reset(token)
+            _CALLS.reset(calls_token)
+        replay_in_original_order(model, adapter_name, config.init_lora_weights, order, calls, _generator_states())
         _warn_unmatched_patterns(config, self.targeted_module_names, merged, adapter_name, model)
         return result
 
@@ -522,6 +762,9 @@ def _check_target_module_exists(original):
 
 def _create_and_replace(original):
     def create_and_replace(self, lora_config, adapter_name, target, target_name, parent, current_key, **kwargs):
+        calls = _CALLS.get()
+        if calls is not None:  # where each target starts drawing (`replay_in_original_order`)
+            calls.append((current_key, _generator_states()))
         merged = (_MERGED.get() or {}).get(current_key)
         if merged is None:
             return original(self, lora_config, adapter_name, target, target_name, parent, current_key, **kwargs)

@@ -1,7 +1,9 @@
 """Step 2 of loading a checkpoint: match every checkpoint tensor to its destination in the model, before any copy.
 
 A destination is a whole parameter, or a row slice of a merged (`MergedColumnLinear`) parameter found through
-`output_sizes` and the generated file's `STACKED_PARAMS_MAPPING`. Missing, unexpected and wrongly shaped tensors fail
+`output_sizes` and the generated file's `STACKED_PARAMS_MAPPING`. A merged linear the checkpoint stores packed
+(`fusegen.runtime.merged.stored_packed`: it declares its row layout and no mapping splits it) is a whole parameter:
+its tensor is read and written as it is, rows in the checkpoint's own packed order. Missing, unexpected and wrongly shaped tensors fail
 here, all at once, so a bad checkpoint leaves the model untouched. The same destinations name the model's tensors
 canonically when saving (`fusegen/runtime/saving.py`).
 """
@@ -17,7 +19,7 @@ import torch
 from .files import CANONICAL, FUSED, Checkpoint, CheckpointError, TensorInfo
 from .layout import require_contiguous
 from .linear import absent_bias_pieces
-from .merged import merged_modules, stacked_mapping
+from .merged import merged_modules, stacked_mapping, stored_packed
 from .renames import model_names
 
 
@@ -107,7 +109,8 @@ def model_targets(model: torch.nn.Module, mapping: Mapping[str, tuple[str, ...]]
     for key, names in aliases.items():
         tensor = tensors[key]
         module_path = names[0].rpartition(".")[0]
-        if module_path in merged:
+        packed = module_path in merged and stored_packed(merged[module_path], module_path.rpartition(".")[2], mapping)
+        if module_path in merged and not packed:
             module = merged[module_path]
             pieces = _pieces_for(module_path, module, mapping)
             absent = absent_bias_pieces(module) if names[0].endswith(".bias") else []

@@ -33,12 +33,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .auto import original_name
+from .auto import generated_class, original_class
 from .files import FUSED, LAYOUT_KEY, Checkpoint, CheckpointError, open_checkpoint, weight_file_schemes
 from .merged import normalise_stacked
 from .quantized import load_scope
 from .streaming import reading_session
-from .version import source_module
 
 FUSEGEN_KEY = "fusegen"  # config.json: what `fusegen convert` wrote (layout, weights file, source fingerprint, ...)
 WEIGHTS_KEY = "transformers_weights"  # config.json: the weights file Transformers' from_pretrained reads
@@ -195,30 +194,6 @@ def fused_from_pretrained(cls: type, load: Callable, path, *model_args, **kwargs
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _generated_class(cls: type) -> tuple[type, str] | None:
-    """The first class in `cls`'s MRO defined by a generated file, and the modeling module that file was built from.
-
-    Walking the MRO (rather than reading `cls.__module__`) keeps a user's subclass in their own module working.
-    """
-    for klass in cls.__mro__:
-        source = source_module(klass.__module__)
-        if source is not None:
-            return klass, source
-    return None
-
-
-def _original_class(cls: type) -> type | None:
-    """The Transformers class a generated class is the fused copy of: `FusedMixtralForCausalLM` ->
-    `MixtralForCausalLM` in the source module; None if there is no such class (then nothing is delegated)."""
-    found = _generated_class(cls)
-    if found is None:
-        return None
-    klass, source = found
-    module = sys.modules.get(source)
-    original = getattr(module, original_name(klass.__name__), None) if module is not None else None
-    return original if isinstance(original, type) and original is not klass else None
-
-
 class FusedPreTrainedMixin:
     """What a generated pretrained base adds to Transformers' `PreTrainedModel`; it is the first base of that class:
     `class FusedLlamaPreTrainedModel(FusedPreTrainedMixin, PreTrainedModel)`.
@@ -265,7 +240,7 @@ class FusedPreTrainedMixin:
         initialises differently: non-persistent buffers filled in `_init_weights` are skipped and model-type
         checkpoint conversions are not applied at the root. A copy of a user's module stays custom code.
         """
-        found = _generated_class(cls)
+        found = generated_class(cls)
         if found is not None and found[1].startswith("transformers."):
             return False
         return super().is_custom_code()
@@ -275,7 +250,7 @@ class FusedPreTrainedMixin:
         """The original class's answer. Transformers decides by searching the class's module source for the
         `@use_experts_implementation` decorator; the experts classes stay in the original module, so asked about
         the generated file, a fused MoE model would silently fall back to the eager per-expert loop."""
-        original = _original_class(cls)
+        original = original_class(cls)
         if original is not None and hasattr(original, "_can_set_experts_implementation"):
             return original._can_set_experts_implementation()
         return super()._can_set_experts_implementation()
@@ -289,7 +264,7 @@ class FusedPreTrainedMixin:
         from .distributed import register_canonical_state_hooks
         from .tp import init_fused_parallel_plans
 
-        found = _generated_class(type(self))
+        found = generated_class(type(self))
         plan = getattr(sys.modules.get(found[0].__module__), "TP_PLAN", None) if found is not None else None
         init_fused_parallel_plans(self, plan)
         register_canonical_state_hooks(self)  # distributed (DTensor) state dicts in canonical names: FSDP2, TP

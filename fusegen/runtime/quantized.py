@@ -40,7 +40,7 @@ from torch import nn
 
 from .layout import require_contiguous
 from .linear import MergedColumnLinear, sizes_attribute
-from .merged import merged_modules, stacked_mapping
+from .merged import merged_modules, stacked_mapping, stored_packed
 
 
 class PiecewiseLinear(nn.Module):
@@ -153,8 +153,8 @@ def split_merged_linears(model: nn.Module) -> None:
     """
     mapping = stacked_mapping(model)
     for path, module in merged_modules(model).items():
-        if not isinstance(module, MergedColumnLinear):
-            continue
+        if not isinstance(module, MergedColumnLinear) or stored_packed(module, path.rpartition(".")[2], mapping):
+            continue  # a packed checkpoint tensor is quantized as the one linear the original class has
         require_contiguous(module, f"{path}: quantization")  # PiecewiseLinear concatenates in piece order
         owner, attribute = _owner_of(model, path)
         names = mapping.get(attribute)

@@ -150,7 +150,14 @@ def _vllm_class(pieces) -> type:
 
 
 def _tp_rule(module: nn.Module, name: str) -> str | None:
-    """The generated file's `TP_PLAN` rule for the merged linear `name` of `module` (matched by attribute path)."""
+    """The generated file's `TP_PLAN` rule for the merged linear `name` of `module` (matched by attribute path).
+
+    None for a module whose own config carries no `base_model_tp_plan`: a multimodal file's `TP_PLAN` is its text
+    config's (`fusegen.compiler.mappings.planned_config`), and a vision tower's attention (Siglip's, config the
+    vision config) is not split by Transformers, so the rule of the text model's `qkv_proj` is not its rule."""
+    config = getattr(module, "config", None)
+    if config is not None and not getattr(config, "base_model_tp_plan", None):
+        return None
     plan = getattr(_generated_module(module), "TP_PLAN", None) or {}
     return next((style for key, style in plan.items() if key.rpartition(".")[2] == name), None)
 

@@ -127,32 +127,37 @@ def _conditional_merge(
     calls: list[ast.Call],
     conditional: frozenset[str],
 ) -> list[ast.stmt]:
-    """The statements that build the merged linear when some projections exist only under `guard`:
+    """The one statement that builds the merged linear when some projections exist only under `guard`:
 
-        self.fused_qkv_a_proj = MergedColumnLinear(...) if <guard> else None
-        self.fused_qkv_a_proj_sizes = self.fused_qkv_a_proj.output_sizes if self.fused_qkv_a_proj is not None else None
-        self.kv_a_proj_with_mqa = None if self.fused_qkv_a_proj is not None else nn.Linear(...)
+        if self.q_lora_rank is not None:
+            self.fused_qkv_a_proj = MergedColumnLinear(...)
+            self.fused_qkv_a_proj_sizes = self.fused_qkv_a_proj.output_sizes
+            self.kv_a_proj_with_mqa = None
+        else:
+            self.fused_qkv_a_proj = None
+            self.fused_qkv_a_proj_sizes = None
+            self.kv_a_proj_with_mqa = nn.Linear(...)
 
     Soundness: where `guard` holds, the original built every projection (the conditional ones because the guard
     holds, the others always), and the merged linear replaces them all; where it does not, the original built only
     the unconditional ones, and exactly those are built, from their own constructor calls, under their own names,
     so that config's module (and its checkpoint) is the original's. The guard is evaluated once, where the last
-    projection was built (`_check_inputs_stable` proves its names mean the same there); the unconditional ones
-    test the merged linear's existence instead of re-evaluating it. So `self.<merged> is not None` holds exactly
-    where the conditional projections existed, which is what `rewrite_forward` guards the merged call with.
+    projection was built (`_check_inputs_stable` proves its names mean the same there). Each branch builds what it
+    builds at that one place, in the projections' order, so modules register (parameter and state-dict order, the
+    random draws of their initialisation) in the order the former per-statement conditional expressions gave. So
+    `self.<merged> is not None` holds exactly where the conditional projections existed, which is what
+    `rewrite_forward` guards the merged call with.
     """
     name, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
-    merged.value = ast.IfExp(test=guard, body=merged.value, orelse=ast.Constant(None))
-    statements = [
-        merged,
-        ast.parse(f"{sizes} = {name}.output_sizes if {name} is not None else None").body[0],
-    ]
-    for projection, assign, call in zip(plan.projections, assigns, calls):
+    body = [merged, ast.parse(f"{sizes} = {name}.output_sizes").body[0]]
+    orelse = ast.parse(f"{name} = None\n{sizes} = None").body
+    for projection, call in zip(plan.projections, calls):
         if projection not in conditional:
-            kept = ast.parse(f"self.{projection} = None if {name} is not None else __call__").body[0]
-            kept.value.orelse = call
-            statements.append(kept)
-    return statements
+            body.append(ast.parse(f"self.{projection} = None").body[0])
+            kept = ast.parse(f"self.{projection} = __call__").body[0]
+            kept.value = call
+            orelse.append(kept)
+    return [ast.fix_missing_locations(ast.copy_location(ast.If(test=guard, body=body, orelse=orelse), merged))]
 
 
 def _is_none(node: ast.expr) -> bool:

@@ -10,16 +10,27 @@ values, and `v_proj` only without `attention_k_eq_v`:
         self.k_proj = nn.Linear(...)
         self.v_proj = nn.Linear(...) if not self.use_alternative_attention else None
 
-becomes, at q_proj's place, one merged linear built exactly where all three existed, and each projection another
-config still builds on its own kept under its own name:
+becomes one `if` on the conditions all three exist under: its branch builds the merged linear at q_proj's place,
+the other branch each projection another config still builds, under its own name, at its own place. Both branches
+repeat the statements from q_proj to the inner `if`, in the original's order, so modules register (parameter and
+state-dict order, the random draws of their initialisation) as in the original:
 
-    self.qkv_proj = MergedColumnLinear(...) if not self.is_kv_shared_layer and not self.use_alternative_attention else None
-    self.qkv_proj_sizes = self.qkv_proj.output_sizes if self.qkv_proj is not None else None
-    self.q_proj = None if self.qkv_proj is not None else nn.Linear(...)
-    self.q_norm = ...
-    if not self.is_kv_shared_layer:
-        ...
-        self.k_proj = None if self.qkv_proj is not None else nn.Linear(...)
+    if not self.is_kv_shared_layer and not self.use_alternative_attention:
+        self.qkv_proj = MergedColumnLinear(...)
+        self.qkv_proj_sizes = self.qkv_proj.output_sizes
+        self.q_proj = None
+        self.q_norm = ...
+        if not self.is_kv_shared_layer:
+            ...
+            self.k_proj = None
+    else:
+        self.qkv_proj = None
+        self.qkv_proj_sizes = None
+        self.q_proj = nn.Linear(...)
+        self.q_norm = ...
+        if not self.is_kv_shared_layer:
+            ...
+            self.k_proj = nn.Linear(...)
 
 and in `forward` the merged call runs at q_proj's call, guarded by the merged linear's existence; a kept inner
 projection's own call stays where it was, for the configs without the merged linear:
@@ -29,7 +40,12 @@ projection's own call stays where it was, for the configs without the merged lin
     else:
         q_proj_out = self.q_proj(hidden_states)
     ...
-    key_states = (k_proj_out if self.qkv_proj is not None else self.k_proj(hidden_states)).view(hidden_shape)
+    if self.qkv_proj is not None:
+        key_states = k_proj_out.view(hidden_shape)
+        ...
+    else:
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        ...
 
 Where v_proj is absent (attention_k_eq_v layers), q and k stay two linears: a merged q+k linear would need a
 second merged name for the same checkpoint tensors (`q_proj` would load into `qkv_proj` in some layers and into
@@ -257,8 +273,11 @@ def rewrite_init_nested(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: d
 
     Soundness: the merged linear exists exactly where every projection did (the outer ones always, the inner ones
     where the `if` tests and the inner guard hold, `nested_layout`), and is built from their own expressions, which
-    mean the same there (`check_hoisted_init`); those of the inner constructors are evaluated only where the
-    original evaluated them (the conditional expression short-circuits). Where it is None, each projection the
+    mean the same there (`check_hoisted_init`); those of the inner constructors are evaluated only in the branch
+    where the original evaluated them. The conjunction is evaluated once, before the first outer projection: it is
+    pure and nothing from there to the inner `if` changes what it reads (`check_hoisted_init`'s region starts at
+    that projection), so it has the value it would have had anywhere in the region. The region's other statements
+    run once either way (one branch runs), in their order. Where the merged linear is None, each projection the
     original built there is built by its own constructor call, at its own place, under its own name. A projection
     that exists exactly where the merged linear does (an inner one under the inner guard, or every inner one when
     there is no inner guard) is not built at all.
@@ -284,37 +303,55 @@ def rewrite_init_nested(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: d
     for node in [n for n in ast.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:
         astutil.replace_node(merged, node, copy.deepcopy(fills[node.id]))
     test = conditions[0] if len(conditions) == 1 else ast.BoolOp(ast.And(), conditions)
-    merged.value = ast.IfExp(test=test, body=merged.value, orelse=ast.Constant(None))
     name, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
-    new = [merged, ast.parse(f"{sizes} = {name}.output_sizes if {name} is not None else None").body[0]]
-    new += [_kept(name, projection, calls[projection]) for projection in layout.outer]
 
     guarded = tuple(p for p, g in zip(layout.inner, inner_guards) if g is not None)
     kept_inner = tuple(p for p in layout.inner if guard is not None and p not in guarded)
-    inner_block = astutil.block_path(funcdef.body, assigns[layout.inner[0]])[-1][0]
-    for projection in layout.inner:
-        assign = assigns[projection]
-        if projection in kept_inner:
-            inner_block[inner_block.index(assign)] = ast.copy_location(
-                _kept(name, projection, calls[projection]), assign
-            )
-        else:
-            inner_block.remove(assign)
-    if not inner_block:
-        inner_block.append(ast.copy_location(ast.Pass(), assigns[layout.inner[0]]))
-    last = assigns[layout.outer[-1]]
-    position = layout.block.index(last)
-    layout.block[position : position + 1] = [ast.copy_location(stmt, last) for stmt in new]
-    for projection in layout.outer[:-1]:
-        layout.block.remove(assigns[projection])
+    last = max(layout.block.index(assigns[name]) for name in layout.outer)
+    built = {
+        True: [merged, ast.parse(f"{sizes} = {name}.output_sizes").body[0]],
+        False: ast.parse(f"{name} = None\n{sizes} = None").body,
+    }
+    branches = {}
+    for merged_branch in (True, False):
+        region = [copy.deepcopy(stmt) for stmt in layout.block[first : layout.if_index + 1]]
+        copies = _projection_copies(layout.block[first : layout.if_index + 1], region, assigns)
+        head = built[merged_branch]
+        for projection in layout.outer:
+            assign = copies[projection]
+            if merged_branch:
+                statements = ast.parse(f"self.{projection} = None").body
+                statements = [*head, *statements] if layout.block.index(assigns[projection]) == last else statements
+                region[region.index(assign) : region.index(assign) + 1] = statements
+        if not merged_branch:
+            region[0:0] = head
+        inner_block = astutil.block_path(region, copies[layout.inner[0]])[-1][0]
+        for projection in layout.inner:
+            assign = copies[projection]
+            if projection in kept_inner and merged_branch:
+                inner_block[inner_block.index(assign)] = ast.copy_location(
+                    ast.parse(f"self.{projection} = None").body[0], assign
+                )
+            elif projection not in kept_inner:
+                inner_block.remove(assign)
+        if not inner_block:
+            inner_block.append(ast.copy_location(ast.Pass(), copies[layout.inner[0]]))
+        branches[merged_branch] = region
+    one = ast.If(test=test, body=branches[True], orelse=branches[False])
+    one = ast.fix_missing_locations(ast.copy_location(one, layout.block[first]))
+    layout.block[first : layout.if_index + 1] = [one]
     return NestedInit(layout.outer, kept_inner, guarded)
 
 
-def _kept(merged: str, projection: str, call: ast.Call) -> ast.Assign:
-    """`self.<projection> = None if <merged> is not None else <its own constructor call>`."""
-    kept = ast.parse(f"self.{projection} = None if {merged} is not None else __call__").body[0]
-    kept.value.orelse = call
-    return kept
+def _projection_copies(
+    original: list[ast.stmt], copied: list[ast.stmt], assigns: dict[str, ast.Assign]
+) -> dict[str, ast.Assign]:
+    """The copies (in `copied`, a deep copy of `original`) of the projections' constructor assignments."""
+    pairs = {}
+    for old, new in zip(original, copied):
+        for old_node, new_node in zip(ast.walk(old), ast.walk(new)):
+            pairs[id(old_node)] = new_node
+    return {name: pairs[id(assign)] for name, assign in assigns.items()}
 
 
 def rewrite_forward_nested(
@@ -361,3 +398,64 @@ def rewrite_forward_nested(
             piece = ast.IfExp(test=exists, body=piece, orelse=call)
         astutil.replace_node(funcdef, call, ast.fix_missing_locations(ast.copy_location(piece, call)))
     detach_written_pieces(funcdef, temps, guarded.body, 0, module, loads(arg))  # clones of written pieces follow
+    one_test_per_run(funcdef, plan.merged)
+
+
+def one_test_per_run(funcdef: ast.FunctionDef, merged: str) -> None:
+    """Turn each run of consecutive simple statements that test `self.<merged> is not None` in a conditional
+    expression into one `if` statement whose branches hold the run with each such expression resolved:
+
+        key_states = (k_proj_out if self.qkv_proj is not None else self.k_proj(hidden_states)).view(hidden_shape)
+        value_states = v_proj_out.view(hidden_shape) if self.qkv_proj is not None else key_states
+
+    becomes
+
+        if self.qkv_proj is not None:
+            key_states = k_proj_out.view(hidden_shape)
+            value_states = v_proj_out.view(hidden_shape)
+        else:
+            key_states = self.k_proj(hidden_states).view(hidden_shape)
+            value_states = key_states
+
+    Soundness: the test reads one attribute and has no effect, so evaluating it once before the run instead of
+    inside each statement changes nothing as long as its value cannot change within the run: no statement of the
+    run assigns or deletes `self.<merged>` (checked; `__init__` sets it once, and nothing else in the class writes
+    it). Each statement then runs the operand its conditional expression would have chosen, and only that one, in
+    the same order as before.
+    """
+    test = f"self.{merged} is not None"
+
+    def tests_merged(node: ast.AST) -> bool:
+        return isinstance(node, ast.IfExp) and ast.unparse(node.test) == test
+
+    def in_run(stmt: ast.stmt) -> bool:
+        if not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr)):
+            return False
+        writes = any(
+            astutil.self_attr(node, merged) and isinstance(node.ctx, (ast.Store, ast.Del)) for node in ast.walk(stmt)
+        )
+        return not writes and any(tests_merged(node) for node in ast.walk(stmt))
+
+    class Resolve(ast.NodeTransformer):
+        def __init__(self, exists: bool) -> None:
+            self.exists = exists
+
+        def visit_IfExp(self, node: ast.IfExp) -> ast.AST:
+            self.generic_visit(node)
+            return (node.body if self.exists else node.orelse) if tests_merged(node) else node
+
+    blocks = [funcdef.body]
+    for node in ast.walk(funcdef):
+        blocks.extend(astutil.child_blocks(node) if isinstance(node, ast.stmt) else [])
+    for block in blocks:
+        index = 0
+        while index < len(block):
+            end = index
+            while end < len(block) and in_run(block[end]):
+                end += 1
+            if end > index:
+                run = block[index:end]
+                branches = [[Resolve(exists).visit(copy.deepcopy(stmt)) for stmt in run] for exists in (True, False)]
+                one = ast.If(test=ast.parse(test, mode="eval").body, body=branches[0], orelse=branches[1])
+                block[index:end] = [ast.fix_missing_locations(ast.copy_location(one, run[0]))]
+            index += 1

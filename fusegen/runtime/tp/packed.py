@@ -1,6 +1,9 @@
-"""Packed q/k/v of the *original* classes: checkpoints that already store the projections as one tensor (phi3,
-gpt2, gpt_bigcode, falcon). How each class packs its rows is written down per class (`PACKED_ATTENTION`);
-`apply_packed_tp_plan` shards such a model by heads. No generated file imports this module."""
+"""Packed q/k/v: checkpoints that already store the projections as one tensor (phi3, gpt2, gpt_bigcode, falcon).
+How each original class packs its rows is written down per class (`PACKED_ATTENTION`); `apply_packed_tp_plan` shards
+such a model by heads. A generated class whose packed linear declares its row layout (`fusegen.fusions.packed_qkv`)
+is sharded by that layout: whole kv groups (or heads) per process for a grouped layout, q by query heads and k/v by
+kv heads for a contiguous one, checked against its original class's entry; its packed linear then declares this
+process's layout. No generated file imports this module."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ try:  # Transformers >= 5.21 keeps the style registry in parallel_utils, 5.20 in
 except ImportError:
     from transformers.distributed.tensor_parallel import _AllReduceBackward
 
+from ..auto import original_class
+from ..layout import RowLayout, layout_of
 from .partition import check_head_counts, partition_rows
 from .styles import model_label, model_name, replicated_rows_summed
 
@@ -142,6 +147,56 @@ def _class_key(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
+def packed_entry(module: nn.Module) -> PackedAttention | None:
+    """The `PACKED_ATTENTION` entry of `module`'s class, or of the original class a generated class copies when its
+    packed linear declares its row layout (`fusegen.fusions.packed_qkv` rewrites only the constructor, so the
+    forward, and what `localise` sets, is the original's); None for any other module."""
+    entry = PACKED_ATTENTION.get(_class_key(module))
+    if entry is not None:
+        return entry
+    original = original_class(type(module))
+    entry = PACKED_ATTENTION.get(f"{original.__module__}.{original.__qualname__}") if original is not None else None
+    if entry is None or getattr(getattr(module, entry.packed, None), "row_layout", None) is None:
+        return None
+    return entry
+
+
+def _pieces(module: nn.Module, entry: PackedAttention):
+    """`(heads, kv heads, pieces)` as `PackedAttention.pieces` gives them; for a packed linear that declares its row
+    layout, the pieces are the layout's (whole groups of a grouped layout; q by query heads and k/v by kv heads of a
+    contiguous one), checked against the class's table entry, so the two descriptions cannot silently differ."""
+    heads, kv_heads, pieces = entry.pieces(module)
+    packed = getattr(module, entry.packed)
+    if getattr(packed, "row_layout", None) is None:
+        return heads, kv_heads, pieces
+    layout = layout_of(packed)
+    if layout.is_contiguous:
+        declared = [(layout.sizes[0], heads, False), *((size, kv_heads, True) for size in layout.sizes[1:])]
+    else:
+        declared = [(sum(layout.sizes), layout.groups, False)]
+    if [tuple(piece) for piece in pieces] != declared:
+        raise ValueError(
+            f"{model_name(module)}: {entry.packed} declares {layout.describe()}, which is not how "
+            f"{type(module).__name__} reads its rows ({pieces}); refusing to shard it"
+        )
+    return heads, kv_heads, declared
+
+
+def _localise_layout(packed: nn.Module, partition) -> None:
+    """A layout-declaring packed linear's own record of its rows, made this process's (`RowLayout.shard`)."""
+    if getattr(packed, "row_layout", None) is None:
+        return
+    layout = layout_of(packed)
+    if layout.is_contiguous:
+        local = RowLayout.contiguous(partition.sizes)
+    else:
+        local = layout.shard(partition.world_size)  # whole groups: the process's rows are one block of them
+    if sum(local.sizes) != sum(partition.sizes):
+        raise ValueError(f"{model_name(packed)}: the partition keeps {sum(partition.sizes)} rows, the layout {local}")
+    packed.output_sizes[:] = list(local.sizes)
+    packed.row_layout = local
+
+
 def _is_conv1d(module: nn.Module) -> bool:
     """Transformers' `Conv1D` (GPT-2 style): weight is (in, out), the transpose of `nn.Linear`'s."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
@@ -228,7 +283,7 @@ def apply_packed_tp_plan(model: nn.Module, group=None) -> dict[str, str]:
     """
     import torch.distributed as dist
 
-    found = [(path, module) for path, module in model.named_modules() if _class_key(module) in PACKED_ATTENTION]
+    found = [(path, module) for path, module in model.named_modules() if packed_entry(module) is not None]
     if not found:
         raise ValueError(
             f"{model_label(getattr(model, 'config', None))}: no attention module of a packed-QKV class "
@@ -236,13 +291,13 @@ def apply_packed_tp_plan(model: nn.Module, group=None) -> dict[str, str]:
         )
     layouts = []
     for path, module in found:  # every check before the first change; these need no process group
-        layout = PACKED_ATTENTION[_class_key(module)]
+        layout = packed_entry(module)
         if getattr(module, "tp_partition", None) is not None:
             raise ValueError(f"{model_label(getattr(model, 'config', None))} ({path}) is already sharded")
         if getattr(module, layout.packed).weight.is_meta:
             raise ValueError(f"{path}.{layout.packed} is on the meta device; load the model before sharding it")
         module.tp_name = f"{model_label(getattr(model, 'config', None))} ({path})"
-        layouts.append((path, module, layout, *layout.pieces(module)))
+        layouts.append((path, module, layout, *_pieces(module, layout)))
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     partitions = []
     for path, module, layout, heads, kv_heads, pieces in layouts:
@@ -260,6 +315,7 @@ def apply_packed_tp_plan(model: nn.Module, group=None) -> dict[str, str]:
         packed, output = getattr(module, layout.packed), getattr(module, layout.output)
         head_dim = module.head_dim
         _keep_output_rows(packed, partition.merged_rows())
+        _localise_layout(packed, partition)
         _column_parallel_input(packed, group)
         if not partition.shard_on_read:  # replicated kv heads: each sharing process holds part of their gradient
             for parameter in packed.parameters(recurse=False):

@@ -53,36 +53,65 @@ def fused_tp_plan(model_plan: Mapping[str, str], config_plan: Mapping[str, str] 
 def init_fused_parallel_plans(model: PreTrainedModel, tp_plan: Mapping[str, str] | None) -> None:
     """`init_parallel_plans` of a generated base model: Transformers' plans, then `tp_plan` in place of the config's.
 
-    Heads (`*ForCausalLM`) collect their base model's plan, already fixed here. `tp_plan=None` means the generated
-    file could not derive a plan; a tensor-parallel load is then refused by name, and the model's plan is empty, the
-    head's own entries included: a head sharding `lm_head` over a base model that shards nothing would shard a tied
-    head without its embedding (Transformers' `test_tied_weights_are_sharded_together` refuses exactly that).
+    Heads (`*ForCausalLM`) need nothing: they collect their base model's plan, already fixed here. Nor does a base
+    model whose config has no `base_model_tp_plan`: Transformers gives it no rules of its own (a vision tower, whose
+    merged linears then stay whole on every process, as the original's pieces do), and a composite model collects
+    its children's plans, already fused, under their prefixes. `TP_PLAN` is the fused form of the one config plan
+    the file's base models carry (`fusegen.compiler.mappings.planned_config`), so it goes to the base models whose
+    config has a plan. `tp_plan=None` means the generated file could not derive a plan; a tensor-parallel load of a
+    model holding such a base model is then refused by name.
+
+    A tensor-parallel load sets `distributed_config` on the ROOT config only, so the checks are run by the outermost
+    base model (the one with the root config; built last) over every planned base model it holds, itself included.
     """
     PreTrainedModel.init_parallel_plans(model)
     if model.base_model is not model:
-        if tp_plan is None:
-            model._tp_plan = {}
         return
     from ..quant import prepare_quantized
 
     prepare_quantized(model)  # built here because this is the base model's build hook (no TP involved)
-    requested = _tensor_parallel_requested(model.config)
-    if tp_plan is None:
-        if requested:
-            raise ValueError(
-                f"{type(model).__name__}: its generated file has no TP_PLAN (the comment above `TP_PLAN = None` "
-                f"in {type(model).__module__} says why), so it cannot load with tp_plan"
-            )
-        model._tp_plan = {}
-        return
-    register_styles()
-    model._tp_plan = fused_tp_plan(model._tp_plan or {}, model.config.base_model_tp_plan, tp_plan)
-    if requested:
-        stacked = getattr(sys.modules.get(type(model).__module__), "STACKED_PARAMS_MAPPING", None) or {}
-        check_plan_honoured(model, tp_plan, stacked)
-        use_partitioned_concatenate(type(model).__name__)
-        for path, module in model.named_modules():  # modules have no path (linears no config) to name in errors
-            module.tp_name = f"{model_label(model.config)} ({path})"
+    if getattr(model.config, "base_model_tp_plan", None):
+        if tp_plan is None:
+            model._tp_plan = {}
+        else:
+            register_styles()
+            model._tp_plan = fused_tp_plan(model._tp_plan or {}, model.config.base_model_tp_plan, tp_plan)
+    if _tensor_parallel_requested(model.config):
+        prepare_tensor_parallel(model, tp_plan)
+
+
+def planned_base_models(model: nn.Module) -> list[tuple[str, PreTrainedModel]]:
+    """`(path, module)` of the base models in `model` (itself included) whose config carries a `base_model_tp_plan`:
+    the ones Transformers gives rules of their own, and a generated file's `TP_PLAN` replaces."""
+    return [
+        (path, module)
+        for path, module in model.named_modules()
+        if isinstance(module, PreTrainedModel)
+        and module.base_model is module
+        and getattr(module.config, "base_model_tp_plan", None)
+    ]
+
+
+def prepare_tensor_parallel(model: PreTrainedModel, tp_plan: Mapping[str, str] | None) -> None:
+    """Before a tensor-parallel load shards anything: refuse a planned base model without a `TP_PLAN` and a fused rule
+    that cannot be honoured (`check_plan_honoured`), read replicated kv heads whole (`use_partitioned_concatenate`)
+    and name every module for the errors the styles raise."""
+    planned = planned_base_models(model)
+    if planned and tp_plan is None:
+        raise ValueError(
+            f"{type(model).__name__}: its generated file has no TP_PLAN (the comment above `TP_PLAN = None` "
+            f"in {type(model).__module__} says why), so it cannot load with tp_plan"
+        )
+    stacked = getattr(sys.modules.get(type(model).__module__), "STACKED_PARAMS_MAPPING", None) or {}
+    for _, base in planned:
+        check_plan_honoured(base, tp_plan, stacked)
+    generated = type(model).__module__
+    for value in vars(sys.modules.get(generated, object)).values():  # each class of the file with conversions
+        if isinstance(value, type) and issubclass(value, PreTrainedModel) and value.__module__ == generated:
+            use_partitioned_concatenate(value.__name__)
+    label = model_label(model.config)
+    for path, module in model.named_modules():  # modules have no path (linears no config) to name in errors
+        module.tp_name = f"{label} ({path})"
 
 
 def _generic(path: str) -> str:
