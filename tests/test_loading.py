@@ -196,6 +196,85 @@ def test_missing_tensor_is_fatal_even_when_not_strict(fused, tmp_path):
     refused(fused, write_single(tmp_path / "ckpt", state), strict=False, match="model.norm.weight")
 
 
+# allow_missing=True: Transformers' contract for a parameter the checkpoint lacks entirely (reported, initialised as the
+# original initialises it); a merged parameter filled in part, or whose pieces map nowhere, still raises.
+
+
+def without_pieces(config, *names):
+    state = canonical_state(config)
+    for name in names:
+        del state[name]
+    return state
+
+
+def test_allow_missing_initialises_a_merged_parameter_without_any_piece_as_from_pretrained_and_the_original(tmp_path):
+    """Same seed, same numbers: the fused merged parameter load_checkpoint initialises equals what
+    FusedLlamaForCausalLM.from_pretrained and the ORIGINAL LlamaForCausalLM.from_pretrained initialise (the original's
+    gate_proj and up_proj rows, stacked); every other tensor is the checkpoint's."""
+    config = llama_config(initializer_range=0.5)
+    gate, up = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+    path = write_single(tmp_path / "ckpt", without_pieces(config, gate, up))
+    config.save_pretrained(path)
+    with pytest.raises(CheckpointError, match="missing from the canonical checkpoint") as error:
+        load_checkpoint(FusedLlamaForCausalLM(config), path)  # the default stays: a missing tensor is fatal
+    assert error.value.tensor == gate
+    model = FusedLlamaForCausalLM(config)
+    merged = model.model.layers[0].mlp.gate_up_proj.weight
+    with torch.no_grad():
+        merged.fill_(float("nan"))
+    torch.manual_seed(7)
+    report = load_checkpoint(model, path, allow_missing=True)
+    assert report.missing == ("model.layers.0.mlp.gate_up_proj.weight",)
+    assert not torch.isnan(merged).any() and abs(merged.std().item() - 0.5) < 0.05
+    torch.manual_seed(7)
+    reference, info = FusedLlamaForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert info["missing_keys"] == set(report.missing)
+    torch.manual_seed(7)
+    original = LlamaForCausalLM.from_pretrained(path)
+    pieces = torch.cat([original.get_parameter(gate), original.get_parameter(up)])
+    assert torch.equal(merged, pieces)
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+def test_allow_missing_initialises_an_ordinary_missing_tensor(tmp_path):
+    config = llama_config()
+    path = write_single(tmp_path / "ckpt", without_pieces(config, "model.norm.weight"))
+    model = FusedLlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(3.0)
+    report = load_checkpoint(model, path, allow_missing=True)
+    assert report.missing == ("model.norm.weight",)
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))  # RMSNorm's own init
+
+
+def test_allow_missing_still_refuses_a_partial_piece_set(fused, tmp_path):
+    """k_proj absent, q_proj and v_proj present: the merged rows would mix loaded and random values."""
+    path = write_single(tmp_path / "ckpt", without_pieces(llama_config(), "model.layers.1.self_attn.k_proj.weight"))
+    error = refused(fused, path, match="filled in part", allow_missing=True, strict=False)
+    assert error.tensor == "model.layers.1.self_attn.k_proj.weight"
+    assert "model.layers.1.self_attn.qkv_proj.weight" in str(error) and "q_proj" in str(error)
+
+
+def test_allow_missing_still_refuses_pieces_that_map_nowhere(fused, tmp_path):
+    """The checkpoint holds layer 0's gate_proj/up_proj under a parent the model lacks: they map nowhere, and the
+    model's gate_up_proj would be random. Raised even with strict=False (which only tolerates harmless extras)."""
+    state = canonical_state(llama_config())
+    for piece in ("gate_proj", "up_proj"):
+        state[f"model.layers.0.ffn.{piece}.weight"] = state.pop(f"model.layers.0.mlp.{piece}.weight")
+    error = refused(
+        fused, write_single(tmp_path / "ckpt", state), match="maps nowhere", allow_missing=True, strict=False
+    )
+    assert error.tensor == "model.layers.0.ffn.gate_proj.weight"
+    assert "model.layers.0.mlp.gate_up_proj.weight" in str(error)
+
+
+def test_allow_missing_needs_a_pretrained_model(tmp_path):
+    path = write_single(tmp_path / "ckpt", {"weight": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match="initialize_weights"):
+        load_checkpoint(torch.nn.Linear(2, 3), path, allow_missing=True)
+
+
 def test_unexpected_tensor_strict(fused, tmp_path):
     state = {**canonical_state(llama_config()), "model.extra.weight": torch.zeros(3)}
     error = refused(fused, write_single(tmp_path / "ckpt", state), match="unexpected")

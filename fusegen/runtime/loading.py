@@ -75,6 +75,8 @@ class LoadReport:
     files: tuple[Path, ...]
     copied: int
     unexpected: tuple[str, ...]
+    missing: tuple[str, ...] = ()
+    """With `allow_missing=True`: the parameters the checkpoint lacked entirely, by model name, now initialised."""
 
 
 def load_checkpoint(
@@ -85,19 +87,67 @@ def load_checkpoint(
     allow_pickle: bool = False,
     stacked: Mapping | None = None,
     allowed_roots: Iterable[str | os.PathLike] = (),
+    allow_missing: bool = False,
 ) -> LoadReport:
     """Load a canonical or fused checkpoint directory into an already materialised `model`, in place.
 
     Everything (paths, names, shapes, dtype kinds) is validated from headers before any data is copied, so a bad
     checkpoint raises `CheckpointError` and leaves the model untouched. `stacked` overrides the
     `STACKED_PARAMS_MAPPING` found in the model's module; `allowed_roots`: see `open_checkpoint`.
+
+    A missing tensor raises, unless `allow_missing=True`: then a parameter the checkpoint lacks entirely (an ordinary
+    one, or a merged one none of whose pieces is there) is listed in `LoadReport.missing` under its model name and
+    initialised by the model's own `_init_weights`, as `from_pretrained` does for a missing key (`init_missing`). A
+    merged parameter the checkpoint holds in part, or whose pieces are in it under names that map nowhere, still
+    raises `CheckpointError` naming the tensor (`plan.absent_parameters`).
     """
     _require_materialised(model)
+    if allow_missing and not callable(getattr(model, "initialize_weights", None)):
+        raise ValueError(
+            f"allow_missing=True needs a Transformers PreTrainedModel, whose _init_weights initialises what the "
+            f"checkpoint lacks; {type(model).__name__} has no initialize_weights()"
+        )
     with open_checkpoint(path, allow_pickle=allow_pickle, allowed_roots=allowed_roots) as checkpoint:
-        plan = plan_load(model, checkpoint, strict=strict, stacked=stacked)
+        plan = plan_load(model, checkpoint, strict=strict, stacked=stacked, allow_missing=allow_missing)
         execute_plan(plan, checkpoint)
+        if plan.missing:
+            init_missing(model, plan.missing)
         zero_absent_bias(model)
-        return LoadReport(checkpoint.layout, checkpoint.files, len(plan.copies), plan.unexpected)
+        return LoadReport(checkpoint.layout, checkpoint.files, len(plan.copies), plan.unexpected, plan.missing)
+
+
+@torch.no_grad()
+def init_missing(model: torch.nn.Module, missing: Iterable[str]) -> None:
+    """Initialise exactly the parameters named in `missing` with the model's own `_init_weights`, as Transformers'
+    `from_pretrained` initialises missing keys.
+
+    Transformers' initialisers leave a tensor flagged `_is_hf_initialized` alone, and `initialize_weights()` skips a
+    module so flagged (every module of a constructed model is). So for the duration: every other tensor of the state
+    dict is flagged, the missing ones (all names of a tied tensor) and the modules holding them are not; then
+    `initialize_weights()` runs and every flag is put back as it was, so a later call behaves as before.
+
+    A merged parameter gets the rule `_init_weights` applies to a linear, the one the original applies to each of its
+    pieces (e.g. normal with `initializer_range`, zero bias).
+    """
+    state = model.state_dict(keep_vars=True)
+    lacking = {id(state[name]) for name in missing}
+    owners = {id(m): m for m in (model.get_submodule(name.rpartition(".")[0]) for name in missing)}
+    saved = [(obj, obj.__dict__.get("_is_hf_initialized", _UNSET)) for obj in [*state.values(), *owners.values()]]
+    try:
+        for tensor in state.values():
+            tensor._is_hf_initialized = id(tensor) not in lacking
+        for module in owners.values():
+            module._is_hf_initialized = False
+        model.initialize_weights()
+    finally:
+        for obj, flag in saved:
+            if flag is _UNSET:
+                obj.__dict__.pop("_is_hf_initialized", None)
+            else:
+                obj._is_hf_initialized = flag
+
+
+_UNSET = object()
 
 
 @torch.no_grad()

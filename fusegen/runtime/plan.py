@@ -144,6 +144,55 @@ def _check_stacked(model: torch.nn.Module, checkpoint: Checkpoint, mapping: Mapp
             )
 
 
+def absent_parameters(targets: Targets, missing: Sequence[str], unexpected: Sequence[str], where: object) -> list[str]:
+    """The model names of the parameters the checkpoint lacks entirely, given the first name of each unfilled group.
+
+    This is Transformers' contract for a key the checkpoint lacks (reported, then initialised), and it is safe only
+    where no real and random rows can mix in one parameter. So it raises `CheckpointError` naming the tensor:
+
+    - for a merged parameter some of whose pieces are in the checkpoint and some not (a partial piece set: its rows
+      would be half real, half random). The error names the first absent piece;
+    - for a merged parameter none of whose pieces is in the checkpoint while the checkpoint holds a tensor named like
+      one of them elsewhere (`...x.q_proj.weight` under a parent the model does not have): that piece maps nowhere,
+      and it is most likely the data this parameter should have had. The error names the stray tensor.
+
+    A merged parameter without any piece (nor a stray one) is reported under its model name
+    (`...self_attn.qkv_proj.weight`), the name `named_parameters()` gives and Transformers' loading report uses.
+    """
+    groups_of: dict[str, list[tuple[str, ...]]] = {}
+    for group in targets.groups:
+        groups_of.setdefault(targets.by_name[group[0]].param, []).append(group)
+    unfilled = set(missing)
+    absent: list[str] = []
+    for param, groups in groups_of.items():
+        lacking = [group[0] for group in groups if group[0] in unfilled]
+        if not lacking:
+            continue
+        if targets.by_name[groups[0][0]].whole:
+            absent.append(param)
+            continue
+        if len(lacking) < len(groups):
+            raise CheckpointError(
+                f"merged parameter {param} would be filled in part: the checkpoint holds "
+                f"{_listing([g[0] for g in groups if g[0] not in unfilled])} but not {_listing(lacking)}, so its rows "
+                "would mix loaded and random values",
+                file=where,
+                tensor=lacking[0],
+            )
+        tails = {".".join(piece.rsplit(".", 2)[-2:]) for piece in lacking}
+        stray = [name for name in unexpected if ".".join(name.rsplit(".", 2)[-2:]) in tails]
+        if stray:
+            raise CheckpointError(
+                f"maps nowhere: merged parameter {param} (made of {_listing(lacking)}) is not in the checkpoint, which "
+                f"holds {_listing(stray)} where the model has no such tensor; refusing to leave {param} randomly "
+                "initialised",
+                file=where,
+                tensor=stray[0],
+            )
+        absent.append(param)
+    return absent
+
+
 @dataclass(frozen=True)
 class Copy:
     """One planned copy: checkpoint tensor `name` (described by `source`) into `destination`."""
@@ -157,15 +206,25 @@ class Copy:
 class Plan:
     copies: tuple[Copy, ...]
     unexpected: tuple[str, ...]
+    missing: tuple[str, ...] = ()
+    """Model names (`named_parameters()`) of the parameters the checkpoint lacks entirely (only with `allow_missing`)."""
 
 
 def plan_load(
-    model: torch.nn.Module, checkpoint: Checkpoint, *, strict: bool = True, stacked: Mapping | None = None
+    model: torch.nn.Module,
+    checkpoint: Checkpoint,
+    *,
+    strict: bool = True,
+    stacked: Mapping | None = None,
+    allow_missing: bool = False,
 ) -> Plan:
-    """Decide every copy, or raise: missing tensors (always), unexpected ones (if strict), wrong shapes, float vs int.
+    """Decide every copy, or raise: missing tensors (unless `allow_missing`), unexpected ones (if strict), wrong
+    shapes, float vs int.
 
-    Non-strict mode only tolerates unexpected tensors (one warning lists them); a missing tensor always fails, since
-    it would leave part of the model at its random initialisation.
+    Non-strict mode only tolerates unexpected tensors (one warning lists them). A missing tensor fails, since it would
+    leave part of the model at its random initialisation, unless `allow_missing`: then a parameter the checkpoint
+    lacks ENTIRELY (an ordinary one, or a merged one of which no piece is there) is listed in `Plan.missing` for the
+    caller to initialise, as Transformers' `from_pretrained` treats a missing key (see `absent_parameters`).
     """
     mapping = stacked_mapping(model, stacked)
     targets = model_targets(model, mapping, checkpoint.layout)
@@ -174,6 +233,10 @@ def plan_load(
     infos = {name: checkpoint.infos[original] for name, original in names.items()}
     missing = [group[0] for group in targets.groups if not any(name in infos for name in group)]
     unexpected = sorted(names[name] for name in set(infos) - set(targets.by_name))
+    absent: list[str] = []
+    if missing and allow_missing:
+        absent = absent_parameters(targets, missing, unexpected, checkpoint.where)
+        missing = []
     if missing:
         hint = f" (the checkpoint has unexpected {_listing(unexpected)}; wrong layout or model?)" if unexpected else ""
         raise CheckpointError(
@@ -190,11 +253,13 @@ def plan_load(
         warnings.warn(f"{checkpoint.root}: ignoring {len(unexpected)} unexpected tensors: {described}", stacklevel=3)
     copies = []
     for group in targets.groups:
-        name = next(name for name in group if name in infos)
+        name = next((name for name in group if name in infos), None)
+        if name is None:  # a parameter listed in `absent`
+            continue
         source, destination = infos[name], targets.by_name[name]
         check_compatible(names[name], source, destination)
         copies.append(Copy(names[name], source, destination))
-    return Plan(tuple(copies), tuple(unexpected))
+    return Plan(tuple(copies), tuple(unexpected), tuple(absent))
 
 
 def check_compatible(name: str, source: TensorInfo, destination: Destination) -> None:
