@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from torch import nn
 
 from fusegen.compiler.analyse import analyse_classes
+from fusegen.compiler.build import build
 from fusegen.compiler.mappings import stacked_mapping
 from fusegen.core.plan import merged_linears
 
@@ -73,3 +75,21 @@ def test_bert_style_group_keeps_its_joined_name_where_qkv_proj_means_other_piece
 
 def test_bert_style_group_alone_merges_into_qkv_proj():
     assert _mapping(TextOnly()) == {"qkv_proj": [("query", "q"), ("key", "k"), ("value", "v")]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_type, text_class, vision_class",
+    [
+        ("git", "GitSelfAttention", "GitVisionAttention"),
+        ("altclip", "AltRobertaSelfAttention", "AltCLIPAttention"),
+        ("chinese_clip", "ChineseCLIPTextSelfAttention", "ChineseCLIPVisionAttention"),
+    ],
+)
+def test_files_with_both_styles_build_and_validate(model_type, text_class, vision_class):
+    result = build(model_type)  # validated: what is returned has passed (`fusegen.compiler.build._validated`)
+    assert result.text is not None and result.validation is not None and result.validation.mismatch is None
+    fused = {outcome.class_name: [plan.merged for plan in outcome.fused] for outcome in result.outcomes}
+    assert fused[text_class] == ["query_key_value"]
+    assert fused[vision_class] == ["qkv_proj"]
+    assert "query_key_value" in result.text and "qkv_proj" in result.text
