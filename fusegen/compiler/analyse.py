@@ -4,13 +4,18 @@ refuses what the causal LM never builds: `reachable`).
 Each plan is tried on a copy of the class; a plan that any rule refuses is
 recorded with its reason and the class keeps its original projections.
 Vetoes found outside the classes (`fusegen.compiler.vetoes`) send the classes
-they name through again, until none is new.
+they name through again, until none is new. Before that, a merged name that two
+classes of the file would give different pieces (`qkv_proj` from `q_proj`... in a
+vision tower and from BERT-style `query`... in the text model) sends the classes
+whose kind shortened the name through again with the name their pieces join to
+(`query_key_value`), so every merged name keeps one meaning per file.
 """
 
 from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import inspect
 import sys
 
@@ -21,7 +26,8 @@ from fusegen.compiler.match import find_plans
 from fusegen.compiler.trace import Recorded, trace_module
 from fusegen.compiler.vetoes import find_vetoes
 from fusegen.core import astutil
-from fusegen.core.plan import ClassOutcome, FusionPlan, Refusal, Refused, Veto, Vetoes
+from fusegen.core.plan import ClassOutcome, FusionPlan, Refusal, Refused, Veto, Vetoes, merged_linears
+from fusegen.fusions.linear import join_names
 
 
 def analyse_classes(
@@ -34,6 +40,8 @@ def analyse_classes(
     refuse up front (validation's verdicts).
     """
 
+    joined: dict[type, frozenset[str]] = {}
+
     def run(cls, instance, vetoes=None):
         return analyse_class(
             cls,
@@ -41,9 +49,13 @@ def analyse_classes(
             vars(sys.modules[cls.__module__]),
             {**refused.get(cls.__name__, {}), **(vetoes or {})},
             inputs.get(id(instance)),
+            joined.get(cls),
         )
 
     results = {cls: run(cls, instance) for cls, instance in found.items()}
+    for cls, names in names_to_join({cls: outcome for cls, (outcome, _) in results.items()}).items():
+        joined[cls] = names
+        results[cls] = run(cls, found[cls])
     vetoes = find_vetoes(model, [outcome for outcome, _ in results.values()])
     while vetoes:
         for cls, instance in found.items():
@@ -61,6 +73,7 @@ def analyse_class(
     namespace: dict,
     vetoes: dict[str, Veto] | None = None,
     recorded: Recorded | None = None,
+    joined: frozenset[str] | None = None,
 ) -> tuple[ClassOutcome, ast.ClassDef | None]:
     """The outcome for `cls`, and its rewritten class statement if anything was fused.
 
@@ -71,11 +84,12 @@ def analyse_class(
     (checkpoint names shared with an unfused module), with the rule and reason.
     `recorded` is the arguments `instance` received in a forward of the model
     (`fusegen.compiler.trace.record_inputs`), traced with instead of synthetic inputs.
+    `joined` names merged linears to name as their pieces join (`names_to_join`) rather than as their kind does.
     """
     vetoes = vetoes or {}
     trace = trace_module(instance, recorded)
     outcome = ClassOutcome(cls.__name__, trace_error=trace.error)
-    plans = find_plans(trace, instance)
+    plans = [_joined(plan, joined or frozenset()) for plan in find_plans(trace, instance)]
     if not plans:
         return outcome, None
     try:
@@ -116,6 +130,38 @@ def analyse_class(
         taken.update(dict.fromkeys(kind.new_names(plan)))
         outcome.fused.append(applied)
     return outcome, (classdef if outcome.fused else None)
+
+
+def names_to_join(outcomes: dict[type, ClassOutcome]) -> dict[type, frozenset[str]]:
+    """`{class: merged names}` to give the names their pieces join to (`join_names`), in the classes whose kind
+    named them otherwise, because another class of the file gives the same name different pieces.
+
+    Sound because only the attribute name changes: the pieces, their order and the shard ids stay, and the
+    rewrite and the checkpoint mapping read the name from the plan. A clash between two joined names is left
+    for `fusegen.compiler.mappings.stacked_mapping` to refuse.
+    """
+    pieces: dict[str, set[tuple]] = {}
+    for outcome in outcomes.values():
+        for plan in merged_linears(outcome.fused):
+            pieces.setdefault(plan.merged, set()).add(plan.shards)
+    clashing = {name for name, found in pieces.items() if len(found) > 1}
+    to_join = {}
+    for cls, outcome in outcomes.items():
+        names = frozenset(
+            plan.merged
+            for plan in merged_linears(outcome.fused)
+            if plan.merged in clashing and join_names(list(plan.projections)) != plan.merged
+        )
+        if names:
+            to_join[cls] = names
+    return to_join
+
+
+def _joined(plan: FusionPlan | Refusal, joined: frozenset[str]) -> FusionPlan | Refusal:
+    """`plan` with the name its pieces join to, if its merged name is one of `joined`."""
+    if isinstance(plan, Refusal) or not plan.shards or plan.merged not in joined:
+        return plan
+    return dataclasses.replace(plan, merged=join_names(list(plan.projections)))
 
 
 def _subject(found: FusionPlan | Refusal) -> tuple[str, ...]:

@@ -34,7 +34,8 @@ class QKV(LinearKind):
     def merged_name(self, names: list[str]) -> str:
         """`qkv_proj` for BERT-style `query`/`key`/`value` (`query_proj`... likewise) and T5's bare `q`/`k`/`v` too,
         as vLLM and the serving tools that follow it name the merged linear; `q_proj`-style names join as every kind
-        joins them."""
+        joins them. Where another class of the same file merges other pieces into the shortened name, the analysis
+        gives this group the joined name instead (`fusegen.compiler.analyse.names_to_join`)."""
         joined = join_names(names)
         if joined == "qkv":  # T5's bare `q`, `k`, `v`
             return "qkv_proj"
