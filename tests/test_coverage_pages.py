@@ -165,3 +165,24 @@ def test_rows_are_reused_only_where_the_other_mapping_built_the_same_class(tmp_p
     )
     page = coverage.render_markdown([rows[0]], "multimodal-lm", run)
     assert "The rows of 1 types are the `image-text-to-text` run's, which built the same class for them" in page
+
+
+def test_a_rerun_replaces_only_its_types_rows_and_the_page_names_them(tmp_path):
+    from fusegen.tools.coverage.run import _rerun_into
+
+    before = [Row("toy", "error", {"classes": []}, "clash", Inspection(), None), _vlm()]
+    whole = tmp_path / "rows.json"
+    whole.write_text(
+        json.dumps({"mapping": "causal-lm", "argv": [], "seconds": 100.0, "rows": list(map(asdict, before))})
+    )
+    fixed = Row("toy", "fused", {"classes": [_outcome("ToyAttention", fused=QKV)]}, "", Inspection(), VERIFIED)
+    merged = _rerun_into(whole, {"mapping": "causal-lm", "seconds": 7.0}, "coverage --only toy", [fixed])
+    assert [row_from_data(data) for data in merged["rows"]] == [fixed, before[1]]
+    assert json.loads(whole.read_text())["rerun"] == {
+        "command": "coverage --only toy",
+        "seconds": 7.0,
+        "types": ["toy"],
+    }
+    run = markdown.RunInfo("coverage", 100.0, rerun=merged["rerun"])
+    page = coverage.render_markdown([row_from_data(data) for data in merged["rows"]], "causal-lm", run)
+    assert "The rows of 1 type come from a later run of it, `coverage --only toy` (7 s)" in page

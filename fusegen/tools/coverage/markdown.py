@@ -116,6 +116,9 @@ class RunInfo:
     only: list[str] | None = None
     reused: dict[str, str] = field(default_factory=dict)
     """`{model type: mapping}`: rows taken from a run of another mapping that built the same class (`--reuse`)."""
+    rerun: dict | None = None
+    """`{"command", "seconds", "types"}`: rows replaced by a later run of those types (`--rerun-into`), after changes
+    that affect them; the page names them and that run."""
 
 
 RUN_LINE = re.compile(r"^Run: `(?P<command>[^`]+)`, wall time (?P<seconds>\d+) s")
@@ -261,6 +264,14 @@ def _run_line(run: RunInfo) -> str:
         line += (
             f" The rows of {len(types)} types are the `{source}` run's, which built the same class for them "
             f"(`--reuse`; its wall time is not in the figure above): {', '.join(f'`{t}`' for t in types)}."
+        )
+    if run.rerun:
+        types = run.rerun["types"]
+        line += (
+            f" The rows of {len(types)} type{'s' if len(types) != 1 else ''} come from a later run of "
+            f"{'those types' if len(types) != 1 else 'it'}, `{run.rerun['command']}` "
+            f"({run.rerun['seconds']:.0f} s), after changes that affect them; the other rows are the run above's: "
+            f"{', '.join(f'`{t}`' for t in types)}."
         )
     return line
 

@@ -209,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         help="render the page from rows a run saved with --save-rows instead of running",
     )
     parser.add_argument(
+        "--rerun-into",
+        type=Path,
+        metavar="FILE",
+        help="with --only: run those types again and put their rows into FILE (rows a whole run saved with "
+        "--save-rows), then render the page from FILE; the page names the types and this run",
+    )
+    parser.add_argument(
         "--reuse",
         nargs="+",
         type=Path,
@@ -218,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         "registers is taken from them, not run again (the page says which)",
     )
     args = parser.parse_args(argv)
+    if args.rerun_into and not args.only:
+        parser.error("--rerun-into takes the types to run again from --only")
 
     from fusegen.compiler.resolve import UNIVERSE
     from fusegen.compiler.resolve import model_types as mapping_types
@@ -253,7 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.save_rows:
             args.save_rows.write_text(json.dumps(saved), encoding="utf-8")
-    run = RunInfo(_command(run_args), seconds, run_args.variants, run_args.only, saved.get("reused", {}))
+        if args.rerun_into:
+            saved = _rerun_into(args.rerun_into, saved, _command(args), ran)
+            run_args, rows, seconds = (
+                parser.parse_args(saved["argv"]),
+                [row_from_data(d) for d in saved["rows"]],
+                saved["seconds"],
+            )
+    run = RunInfo(
+        _command(run_args), seconds, run_args.variants, run_args.only, saved.get("reused", {}), saved.get("rerun")
+    )
     text = render_markdown(rows, run_args.mapping, run)
     output = args.output or DOCS / f"{run_args.mapping}.md"
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -265,3 +283,20 @@ def main(argv: list[str] | None = None) -> int:
         write_index(INDEX, DOCS)
         print(f"wrote {INDEX}")
     return 0
+
+
+def _rerun_into(path: Path, rerun: dict, command: str, ran: list) -> dict:
+    """The whole run saved in `path` with the rows of `ran` (a later run of some of its types) in their places,
+    recorded under "rerun" (the page names the types and the command); written back to `path`."""
+    whole = json.loads(path.read_text(encoding="utf-8"))
+    if whole["mapping"] != rerun["mapping"]:
+        raise SystemExit(f"{path}: rows of mapping {whole['mapping']!r}, not {rerun['mapping']!r}")
+    fresh = {row.model_type: asdict(row) for row in ran}
+    missing = sorted(set(fresh) - {data["model_type"] for data in whole["rows"]})
+    if missing:
+        raise SystemExit(f"{path}: no row for {', '.join(missing)} to replace")
+    whole["rows"] = [fresh.get(data["model_type"], data) for data in whole["rows"]]
+    earlier = (whole.get("rerun") or {}).get("types", [])
+    whole["rerun"] = {"command": command, "seconds": rerun["seconds"], "types": sorted({*earlier, *fresh})}
+    path.write_text(json.dumps(whole), encoding="utf-8")
+    return whole
