@@ -1,29 +1,21 @@
 """Distributed checkpoints (torch.distributed.checkpoint, DCP) of fused models in canonical names, both ways:
 under FSDP2 (`fully_shard`) and under tensor parallelism, 2 ranks, gloo, CPU (issue 23 item 3).
 
-One launch runs every case (spawned workers, a free port, a short gloo timeout, killed after LAUNCH_TIMEOUT); each
+One launch runs every case (`tests/multirank.py`: spawned workers, a free port, a short gloo timeout, a deadline); each
 case records figures, rank 0's results are asserted here. `pytest tests/test_distributed_checkpoints.py -rP` prints
 them.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import time
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
 
 from fusegen.testkit import logits_tolerance, model_classes, random_model, small_config
+from tests.multirank import launch, rank_group
 
 pytestmark = pytest.mark.slow  # multi-process launches
 
-LAUNCH_TIMEOUT = 600  # seconds for the launch, interpreter start-up included (2 shared CPU cores)
-GROUP_TIMEOUT = 180  # seconds gloo waits on a collective before failing (a loaded 2-core CI machine took >60)
 WORLD_SIZE = 2
 IDS = [[3, 17, 42, 5, 99, 11, 64, 2, 8, 30], [7, 1, 120, 77, 56, 13, 9, 4, 101, 66]]
 # name -> (model type, config overrides, case function)
@@ -440,23 +432,12 @@ def tp_resume_fused_single_original(model_type, path, out):
     )
 
 
-def _worker(rank, port, cases, out_dir):
-    """One rank: join the group, run every case (recording, not raising, its failures), write the results."""
-    import warnings
-
+def _worker(rank, world_size, port, cases, out_dir):
+    """One rank: run every case (recording, not raising, its failures); `rank_group` writes the results."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException
-    from transformers.utils import logging as hf_logging
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
-    torch.set_num_threads(1)
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    warnings.simplefilter("ignore", FutureWarning)  # `tp_plan=` is deprecated in favour of `distributed_config=`
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=GROUP_TIMEOUT))
-    results = {}
-    try:
+    with rank_group(rank, world_size, port, out_dir) as results:
         for name, (model_type, path, how) in cases.items():
             try:
                 results[name] = globals()[how](model_type, path, f"{out_dir}/{name}-dcp")
@@ -464,9 +445,6 @@ def _worker(rank, port, cases, out_dir):
                 # not hide the others; DCP raises CheckpointException, a BaseException)
                 results[name] = {"failed": f"{type(error).__name__}: {error}"}
             dist.barrier()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -474,33 +452,15 @@ def _worker(rank, port, cases, out_dir):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     root = tmp_path_factory.mktemp("dcp")
     cases = {}
     for name, (model_type, overrides, how) in CASES.items():
         config_class, original_class, _ = model_classes(model_type)
         random_model(original_class, small_config(config_class, **overrides)).save_pretrained(root / name)
         cases[name] = (model_type, str(root / name), how)
-    context = mp.start_processes(_worker, args=(_free_port(), cases, str(root)), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{WORLD_SIZE} processes still running after {LAUNCH_TIMEOUT}s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    return launch(_worker, WORLD_SIZE, (cases, str(root)), root)
 
 
 def test_dsd_state_dicts_are_canonical_both_ways(launched):

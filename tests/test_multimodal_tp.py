@@ -6,19 +6,14 @@ whole on every rank (Qwen's ViT, Siglip); BERT's config has no plan, so Transfor
 fused classes must do exactly that: the text model's merged linears split by heads, the tower's left whole, no rule
 the original lacks, and the original's numbers on text + image inputs, logits and greedy tokens.
 
-One launch (spawned workers, a free port, gloo timeouts) runs every case; `-rP` prints the figures.
+One launch (`tests/multirank.py`: spawned workers, a free port, gloo timeouts) runs every case; `-rP` prints the figures.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
-import socket
-import time
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,11 +21,10 @@ import torch
 from fusegen.compiler.modal_inputs import forward_inputs, image_features
 from fusegen.compiler.resolve import resolve
 from fusegen.testkit import logits_tolerance, max_diff, random_input, save_random, tiny_config
+from tests.multirank import launch, rank_group
 
 pytestmark = pytest.mark.slow  # a 2-process launch loading three models per case
 
-LAUNCH_TIMEOUT = 600  # seconds for the launch (2 shared CPU cores)
-GROUP_TIMEOUT = 180  # seconds gloo waits on a collective
 TYPES = ("qwen2_5_vl", "gemma3", "bert")
 TOWERS = {"qwen2_5_vl": "model.visual.", "gemma3": "model.vision_tower.", "bert": None}
 GREEDY = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
@@ -102,33 +96,12 @@ def run_case(model_type, path) -> dict:
 
 
 def worker(rank, world_size, port, cases, out_dir):
-    import warnings
-
-    import torch.distributed as dist
-    from transformers.utils import logging as hf_logging
-
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    warnings.simplefilter("ignore", FutureWarning)  # `tp_plan=` is deprecated in favour of `distributed_config=`
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT))
-    results = {}
-    try:
+    with rank_group(rank, world_size, port, out_dir) as results:
         for model_type, path in cases.items():
             try:
                 results[model_type] = run_case(model_type, path)
             except Exception as error:  # noqa: BLE001 (recorded per case: one failure must not hide the others)
                 results[model_type] = {"failed": f"{type(error).__name__}: {error}"}
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -136,33 +109,15 @@ def worker(rank, world_size, port, cases, out_dir):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     root = tmp_path_factory.mktemp("mmtp")
     cases = {}
     for model_type in TYPES:
         original_class, _ = classes(model_type)
         save_random(original_class, tiny_config(resolve(model_type)), root / model_type)
         cases[model_type] = str(root / model_type)
-    context = mp.start_processes(worker, args=(2, free_port(), cases, str(root)), nprocs=2, join=False)
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"2 tensor-parallel processes still running after {LAUNCH_TIMEOUT}s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return launch(worker, 2, (cases, str(root)), root)
 
 
 def results(launched, model_type):

@@ -1,10 +1,10 @@
 """Tensor parallelism of the generated fused models (fusegen.runtime.tp) on CPU with gloo.
 
-The multi-process tests start their own process groups (spawned workers, a free port, a short gloo timeout) and each
-launch runs every case of one key of CASES (N=2, N=4, and the DeepSeek MLA cases at N=2 in a launch of their own), so
-the suite pays for process start-up three times. Every launch is killed after
-LAUNCH_TIMEOUT seconds, so a deadlock fails the test instead of hanging it. Each case compares the tensor-parallel
-fused model with the single-process fused model and with the original Transformers class on the same checkpoint.
+The multi-process tests start their own process groups (`tests/multirank.py`: spawned workers, a free port, a short
+gloo timeout) and each launch runs every case of one key of CASES (N=2, N=4, and a few cases in launches of their
+own). Every launch is killed after `tests.multirank.LAUNCH_TIMEOUT` seconds, so a deadlock fails the test instead of
+hanging it. Each case compares the tensor-parallel fused model with the single-process fused model and with the
+original Transformers class on the same checkpoint.
 
 Measured numbers (logit differences, bytes read and peak RSS per rank) are printed: `pytest tests/test_tp.py -rP`.
 """
@@ -12,13 +12,9 @@ Measured numbers (logit differences, bytes read and peak RSS per rank) are print
 from __future__ import annotations
 
 import json
-import os
-import socket
 import threading
-import time
 import traceback
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -47,11 +43,10 @@ from fusegen.testkit import (
     small_config,
 )
 from generated.fused_llama import STACKED_PARAMS_MAPPING, TP_PLAN, FusedLlamaForCausalLM
+from tests.multirank import launch, rank_group
 
 pytestmark = pytest.mark.slow  # torchrun launches and multi-rank loads
 
-LAUNCH_TIMEOUT = 600  # seconds for one multi-process launch, interpreter start-up included (2 shared CPU cores)
-GROUP_TIMEOUT = 180  # seconds gloo waits on a collective before failing (a loaded 2-core CI machine took >60)
 TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # the defaults lie outside the tiny vocabulary
 MLA = {  # tiny DeepSeek MLA + MoE sizes; 4 heads, as many kv heads (MLA expands the latent to every head)
     "num_key_value_heads": 4,
@@ -125,10 +120,11 @@ CASES = {
         "mlp-90": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "error"),
         "phi3-packed-gqa": ("phi3", {"num_key_value_heads": 2, **TOKENS}, "packed"),  # kv head shared by 2 ranks
     },
-    "4-honest": {  # N=4, a launch of its own: its known intermittent failure (INTERMITTENT) must not stop the others
+    "4-honest": {  # N=4, a launch of its own so that `-k 4-honest` reruns it alone: the case that exposed DTensor's
+        # sharding cache handing a merged weight another tensor's Shard(0) label (fusegen/runtime/tp/spec_equality.py)
         "llama-gqa-honest": ("llama", {"num_key_value_heads": 2}, "honest"),  # each kv head shared by 2 ranks
     },
-    "2-mla": {  # N=2, a launch of its own (each launch has its own LAUNCH_TIMEOUT)
+    "2-mla": {  # N=2, a launch of its own (each launch has its own timeout)
         # MLA: layer 0 dense (merged gate_up_proj), layer 1 MoE (experts + shared experts); q_lora_rank set (merged
         # fused_qkv_a_proj) and None (q_proj and a plain kv_a_proj_with_mqa). deepseek_v3's config plan shards the
         # MLPs only, deepseek_v2's the attention too (q_b/kv_b by heads, o_proj by rows, a-projections replicated).
@@ -322,10 +318,15 @@ def _honest(model_type, path, out):
     input_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     merged = [name for name, _ in single.named_parameters() if "qkv_proj" in name or "gate_up_proj" in name]
     tp_params, single_params = dict(tp.named_parameters()), dict(single.named_parameters())
+    sharded = [name for name, parameter in tp_params.items() if hasattr(parameter, "full_tensor")]
     result = {
         "placements": sorted({repr(tp_params[name].placements[0]).partition("(")[0] for name in merged}),
         "full_tensor_exact": all(torch.equal(tp_params[n].full_tensor(), single_params[n]) for n in merged),
         "redistribute_exact": all(torch.equal(_replicated(tp_params[n]), single_params[n]) for n in merged),
+        # every other sharded parameter too: a plain Shard(0) one (lm_head, the embeddings) labelled like a merged one
+        # would gather wrongly without an error
+        "sharded_count": len(sharded),
+        "every_full_tensor_exact": all(torch.equal(tp_params[n].full_tensor(), single_params[n]) for n in sharded),
     }
     tp_grads, single_grads = _grads(tp, input_ids), _grads(single, input_ids)
     result["grad_names_equal"] = sorted(tp_grads) == sorted(single_grads)
@@ -597,65 +598,19 @@ def _run_case(model_type, path, how, out):
 
 
 def _worker(rank, world_size, port, cases, out_dir):
-    """One rank: join the group, run every case in order (recording, not raising, its failures), write results."""
-    import warnings
-
-    import torch.distributed as dist
-    from transformers.utils import logging as hf_logging
-
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    warnings.simplefilter("ignore", FutureWarning)  # `tp_plan=` is deprecated in favour of `distributed_config=`
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT))
-    results = {}
-    try:
+    """One rank: run every case in order (recording, not raising, its failures); `rank_group` writes the results."""
+    with rank_group(rank, world_size, port, out_dir) as results:
         for name, (model_type, path, how) in cases.items():
             try:
                 results[name] = _run_case(model_type, path, how, f"{out_dir}/{name}-saved")
             except Exception as error:  # noqa: BLE001 (recorded per case: one failure must not hide the others)
                 where = traceback.extract_tb(error.__traceback__)[-12:]
                 results[name] = {"failed": f"{type(error).__name__}: {error}", "where": traceback.format_list(where)}
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Launcher side (pytest process)
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def launch(world_size: int, cases: dict, out_dir: Path, timeout: float = LAUNCH_TIMEOUT) -> list[dict]:
-    """Run `_worker` on `world_size` spawned processes; per-rank results, or an error naming what went wrong."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(
-        _worker, args=(world_size, _free_port(), cases, str(out_dir)), nprocs=world_size, join=False
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} tensor-parallel processes still running after {timeout}s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
 def _checkpoints(root: Path, cases: dict) -> dict:
@@ -702,34 +657,14 @@ def launched(tmp_path_factory):
         if key not in done:
             root = tmp_path_factory.mktemp(f"tp{key}")
             cases = _checkpoints(root, CASES[key])
-            done[key] = cases, launch(WORLD_SIZES.get(key, key), cases, root)
+            done[key] = cases, launch(_worker, WORLD_SIZES.get(key, key), (cases, str(root)), root)
         return done[key]
 
     return get
 
 
-INTERMITTENT = {
-    ("4-honest", "llama-gqa-honest"): (
-        "known bug, not fixed: at N=4 with kv heads shared by 2 ranks, full_tensor() of a merged qkv weight fails on one "
-        "rank in about 1 launch of 3 ('narrow unexpectedly changed concrete size on dim 0: 192 -> 128': the rank "
-        "gathers it as a plain Shard(0)); suspected cause: DTensor's native sharding-propagation cache keys a "
-        "MergedRowShard, which compares equal to Shard(0) by design, as Shard(0) (docs/tensor-parallel.md)"
-    )
-}
-"""Cases that fail intermittently for a known, unfixed reason: reported as xfail (not strict), never as passed."""
-
-
 def _cases(how: str) -> list:
-    return [
-        (
-            pytest.param(n, name, marks=pytest.mark.xfail(reason=INTERMITTENT[n, name], strict=False))
-            if (n, name) in INTERMITTENT
-            else (n, name)
-        )
-        for n, cases in CASES.items()
-        for name, case in cases.items()
-        if case[2].startswith(how)
-    ]
+    return [(n, name) for n, cases in CASES.items() for name, case in cases.items() if case[2].startswith(how)]
 
 
 def _results(launched, world_size, name):
@@ -788,6 +723,7 @@ def test_tp_placements_describe_what_each_rank_holds(launched, world_size, name)
         print(f"N={world_size} {name} honest rank {rank}: {json.dumps(result)}")
         assert result["placements"] == ["MergedRowShard"], result
         assert result["full_tensor_exact"] and result["redistribute_exact"] and result["grad_names_equal"], result
+        assert result["sharded_count"] > 0 and result["every_full_tensor_exact"], result
         assert result["merged_grad_max_diff"] <= TOLERANCE and result["grad_max_diff"] <= TOLERANCE, result
         assert result["checker_max_diff"] <= TOLERANCE, result
         assert result["dcp_reload_vs_tp"] <= TOLERANCE, result
@@ -1054,6 +990,66 @@ def test_merged_row_shard_assembles_and_selects_each_ranks_rows(full_sizes, unit
     assert placement == placement.__class__(full_sizes, partitions[0].sizes, [p.starts for p in partitions])
     with pytest.raises(ValueError, match="do not cover"):
         placement.assemble(blocks[:1])
+
+
+def _cache_worker(rank, world_size, port, out_dir):
+    """One rank (N=1): DTensor's sharding caches and `MergedRowShard`, as in fusegen/runtime/tp/spec_equality.py.
+
+    `detach` (what `nn.Parameter(dtensor)` runs) on 251 merged tensors of shape (128, 64), each of another row layout
+    (another hash), after it ran on a plain `Shard(0)` tensor of that shape; then, cache cleared, on plain `Shard(0)`
+    tensors of 256 shapes, each after 8 merged tensors of its shape. Counts the outputs labelled as the other."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    merged_class = _merged_row_shard_class()
+    with rank_group(rank, world_size, port, out_dir) as results:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def merged(full, rows=128):
+            placement = merged_class(full, full, [(0,) * len(full)])
+            local = torch.zeros(rows, 64)
+            return DTensor.from_local(local, mesh, [placement], run_check=False, shape=(rows, 64), stride=(64, 1))
+
+        def plain(rows=128):
+            return DTensor.from_local(torch.zeros(rows, 64), mesh, [Shard(0)], run_check=False)
+
+        placement = merged_class((64, 32, 32), (64, 32, 32), [(0, 0, 0)])
+        # DTensor's spec validation asks `placement != Shard(dim)`, its in-place ops `==`: both must still say equal
+        results["placement_equals_shard_0"] = placement == Shard(0) and not placement != Shard(0)  # noqa: SIM202
+        meta = TensorMeta(torch.Size([128, 64]), (64, 1), torch.float32)
+        spec = DTensorSpec(mesh, (placement,), tensor_meta=meta)
+        twin = DTensorSpec(mesh, (merged_class(*placement.row_layout),), tensor_meta=meta)
+        shard_spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+        either_way = spec == shard_spec or shard_spec == spec or not spec != shard_spec  # noqa: SIM202
+        results["spec_equals_shard_0_spec"] = either_way
+        results["equal_specs_hash_alike"] = spec == twin and hash(spec) == hash(twin)
+        results["in_place_keeps_merged"] = type(merged((64, 32, 32)).add_(1).placements[0]) is merged_class
+        layouts = [(a, 128 - a - b, b) for a in range(1, 127) for b in (1, 2) if 128 - a - b > 0]
+        plain().detach()
+        results["merged_tensors"] = len(layouts)
+        results["merged_labelled_shard_0"] = sum(type(merged(f).detach().placements[0]) is Shard for f in layouts)
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        mislabelled = 0
+        for rows in range(8, 264):
+            for a in range(1, 9):
+                merged((a, rows - a - 1, 1), rows).detach()
+            mislabelled += type(plain(rows).detach().placements[0]) is not Shard
+        results["plain_tensors"], results["plain_labelled_merged"] = 256, mislabelled
+
+
+def test_dtensor_caches_keep_merged_and_plain_shard_tensors_apart(tmp_path, monkeypatch):
+    """The cause of the intermittent N=4 `full_tensor()` failure, made deterministic: `MergedRowShard` equals
+    `Shard(0)` (DTensor's own checks need it) but hashes apart, and DTensor's native sharding cache compares keys
+    with `==` only, so an op on one took the other's cached result. Without `spec_equality` this rank's string-hash
+    seed gave 10 of 251 merged tensors labelled `Shard(0)` and 4 of 256 plain ones labelled `MergedRowShard`."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # the spawned rank's hashes, hence the cache's probe sequences
+    (result,) = launch(_cache_worker, 1, (str(tmp_path),), tmp_path)
+    print(json.dumps(result))
+    assert result["placement_equals_shard_0"] and result["in_place_keeps_merged"], result
+    assert not result["spec_equals_shard_0_spec"] and result["equal_specs_hash_alike"], result
+    assert result["merged_tensors"] == 251 and result["merged_labelled_shard_0"] == 0, result
+    assert result["plain_tensors"] == 256 and result["plain_labelled_merged"] == 0, result
 
 
 def test_saving_splits_replicated_kv_heads_gathered_whole():

@@ -24,6 +24,7 @@ except ImportError:
 from ..layout import require_contiguous
 from ..linear import absent_bias_pieces
 from .partition import RowPartition, check_head_counts, partition_rows
+from .spec_equality import keep_merged_specs_apart
 
 MERGED_COLWISE = "fusegen_merged_colwise"
 
@@ -215,6 +216,8 @@ def _merged_row_shard_class():
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import Shard
 
+    keep_merged_specs_apart()
+
     class MergedRowShard(Shard):
         """Placement of a merged linear's weight (or bias) under tensor parallelism: what each process really holds.
 
@@ -231,7 +234,9 @@ def _merged_row_shard_class():
         Transformers' loader must read each checkpoint piece as `Shard(0)` (block r of q, of k, of v), which is
         exactly this layout when every piece is split evenly (`even_pieces`). A merged linear with replicated kv
         heads is read whole instead, as `Replicate`, and takes this placement once loaded (`describe_loaded`).
-        The hash differs, so DTensor's caches keep the two apart. Distributed checkpoints see the canonical pieces
+        Its hash is its row layout's, unlike `Shard(0)`'s, and a `DTensorSpec` holding it equals only a spec holding
+        the same row layout (`spec_equality`, installed below): DTensor's sharding caches, keyed by specs, never
+        hand one tensor's result to the other. Distributed checkpoints see the canonical pieces
         (`fusegen.runtime.distributed`).
         """
 
@@ -247,7 +252,12 @@ def _merged_row_shard_class():
             return type(other) is Shard and other.dim == self.dim
 
         def __hash__(self):
-            return hash(("fusegen.MergedRowShard", self.full_sizes, self.sizes, self.starts))
+            return hash(("fusegen.MergedRowShard", *self.row_layout))
+
+        @property
+        def row_layout(self):
+            """The pieces and every rank's rows: what `DTensorSpec` equality also compares (`spec_equality`)."""
+            return self.full_sizes, self.sizes, self.starts
 
         def __repr__(self):
             return f"MergedRowShard(full_sizes={list(self.full_sizes)}, sizes={list(self.sizes)})"
