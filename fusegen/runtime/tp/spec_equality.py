@@ -5,8 +5,9 @@ The cause (torch 2.13; measured, see docs/tensor-parallel.md "Placement equality
 shard placement with `placement != Shard(dim)`; an in-place op (the optimizer's `add_`, `mul_`, `lerp_`...) keeps
 its input's spec only if `input.placements == output.placements`, and its strategies are built from plain
 `Shard(dim)`; and an in-place op whose strategies all change the placement is refused. So `==` cannot be made
-strict (tried: every in-place op and optimizer step on a merged parameter then fails). But `MergedRowShard` hashes
-apart from `Shard(0)` (its hash is its row layout's), which breaks the rule that equal objects hash equally, and
+strict (tried, in one process: `add_`, `mul_`, `copy_`, `lerp_`, AdamW and SGD steps and gradient accumulation on
+a merged parameter were then refused). But `MergedRowShard` hashes apart from `Shard(0)` (its hash is its row
+layout's), which breaks the rule that equal objects hash equally, and
 DTensor's native sharding-propagation cache (C++, a `c10::FastMap` keyed by the op and its arguments'
 `DTensorSpec`s, hashed with Python's `hash` and compared with Python's `==`) does not compare stored hashes before
 calling `==`: an open-addressing probe that passes an entry for the same op on a `Shard(0)` tensor of the same
