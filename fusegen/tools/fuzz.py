@@ -32,6 +32,7 @@ import transformers
 from fusegen.compiler.build import build
 from fusegen.errors import EXIT_DRIFT, EXIT_OK
 from fusegen.testkit import TOLERANCE, TOY_HELPERS, TOY_NARROW_LOOP, randomise, toy_source
+from fusegen.tools.oracle import forget
 
 CALLS = ("q = self.q_proj(x)", "k = self.k_proj(x)", "v = self.v_proj(x)")
 PRELUDE = (
@@ -208,10 +209,7 @@ class Harness:
         try:
             return self._check(name)
         finally:
-            for module_name in [m for m in sys.modules if m.split(".")[0] == self.package]:
-                for handle in getattr(sys.modules[module_name], "_HOOKS", []):
-                    handle.remove()
-                del sys.modules[module_name]
+            forget(self.package)
 
     def _check(self, name: str) -> Result:
         dotted = f"{self.package}.{name}"

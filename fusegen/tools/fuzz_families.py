@@ -41,7 +41,7 @@ from pathlib import Path
 import transformers
 
 from fusegen.errors import EXIT_DRIFT, EXIT_OK
-from fusegen.tools.oracle import Toy, forget, judge, write_toy
+from fusegen.tools.oracle import Toy, forget, importable, judge, write_toy
 
 CALLS = {"q": "q = self.q_proj(x)", "k": "k = self.k_proj(x)", "v": "v = self.v_proj(x)"}
 FILLERS = (
@@ -413,16 +413,11 @@ def run(pairs: int, seed: int = 0, workdir: Path | None = None, modes=(False, Tr
     rng = random.Random(seed)
     figures = FamilyFigures()
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as scratch:
-        root = Path(workdir or scratch)
-        sys.path.insert(0, str(root))
-        try:
-            for index in range(pairs):
-                pair = draw_pair(rng.choice, rng.randint, FAMILY_NAMES[index % len(FAMILY_NAMES)])
-                check_pair(root, "family_cases", index, pair, figures, modes)
-                figures.pairs += 1
-        finally:
-            sys.path.remove(str(root))
+    with tempfile.TemporaryDirectory() as scratch, importable(workdir or scratch) as root:
+        for index in range(pairs):
+            pair = draw_pair(rng.choice, rng.randint, FAMILY_NAMES[index % len(FAMILY_NAMES)])
+            check_pair(root, "family_cases", index, pair, figures, modes)
+            figures.pairs += 1
     figures.seconds = time.perf_counter() - start
     return figures
 

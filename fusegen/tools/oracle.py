@@ -141,6 +141,16 @@ def write_toy(root: Path, package: str, name: str, toy: Toy) -> str:
     return f"{package}.{name}"
 
 
+@contextlib.contextmanager
+def importable(root: Path):
+    """`root` first on `sys.path` inside the block, so the cases written under it import; removed on exit."""
+    sys.path.insert(0, str(root))
+    try:
+        yield Path(root)
+    finally:
+        sys.path.remove(str(root))
+
+
 def forget(package: str) -> None:
     """Drop `package`'s modules from `sys.modules` and remove the global module hooks they left registered (a case's
     `_HOOKS`, and any a fused forward that raised half-way left behind), so no case outlives its check."""
