@@ -133,8 +133,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 OPENMP_WAIT = ("OMP_WAIT_POLICY", "PASSIVE")
-"""Set in a `fusegen` process before torch loads its OpenMP runtime (unless the user set it): idle OpenMP worker
-threads sleep instead of spinning. The build runs thousands of small kernels (the `rmsnorm` kind's exactness check
+"""Set in a `fusegen` process before torch loads its OpenMP runtime (unless the user set it; the processes it starts
+inherit it): idle OpenMP worker threads sleep instead of spinning. The build runs thousands of small kernels (the `rmsnorm` kind's exactness check
 alone, 510 cases per norm class, each a forward and a backward per side), many of them in a parallel region; with
 the default policy each region leaves a worker spinning for a while afterwards, which on 2 cores under load cost
 10 to 18 s of CPU for `build llama qwen2` where the work itself is 0.8 s (docs/benchmarks.md, "Build-time
