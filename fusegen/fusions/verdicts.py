@@ -47,6 +47,7 @@ checks of one process (beyond the names the keyed code spells, which are keyed).
 from __future__ import annotations
 
 import builtins
+import collections
 import dis
 import types
 from collections.abc import Callable
@@ -187,7 +188,8 @@ class _Keyer:
             )
             for cls in self.mro
         )
-        return own, type(self.instance_).__mro__[len(self.mro) :]  # nn.Module and above, by identity
+        cls = type(self.instance_)
+        return own, cls.__mro__[len(self.mro) :], type(cls)  # nn.Module and above, and the metaclass, by identity
 
     def instance(self) -> tuple:
         entries = []
@@ -212,7 +214,7 @@ class _Keyer:
             return (kind, str(value))
         if kind in (tuple, list, torch.Size):
             return (kind, tuple(self.value(item, names, depth=depth) for item in value))
-        if isinstance(value, dict) and kind.__module__ in ("builtins", "collections"):
+        if kind in (dict, collections.OrderedDict):
             return (kind, tuple((self.value(k), self.value(v, names, depth=depth)) for k, v in value.items()))
         if kind in (set, frozenset):
             return (kind, frozenset(self.value(item) for item in value))
