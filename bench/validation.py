@@ -1,10 +1,11 @@
 """What build-time translation validation costs, and what it checked (not a test; prints its figures).
 
-    python bench/validation.py [--rounds 5]
+    python bench/validation.py [--rounds 5] [--against DIR] [--cost-only]
 
 1. `fusegen -q build llama qwen2` (validated, as users run it) against the import floor (importing the two
    modeling modules) and against the same pipeline with validation off (`build(name, validate=False)`), each a
-   fresh process, interleaved A B C A B C ..., medians.
+   fresh process, interleaved A B C A B C ..., medians; with `--against DIR`, also the same build of another
+   checkout (main's worktree) in the same rounds.
 2. In this process: the seconds `fusegen.compiler.validate.validate` takes per target (with the gradient-checkpointing step
    the build skips), median of 3, and what each check
    found (max abs logit difference, max relative gradient difference, eval/train/gradient checkpointing).
@@ -26,38 +27,44 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = "import transformers.models.llama.modeling_llama, transformers.models.qwen2.modeling_qwen2"
 UNVALIDATED = (
+    "from fusegen.cli import quiet_openmp\nquiet_openmp()\n"  # as `fusegen` runs: before torch loads
     "from fusegen.compiler.build import build\nfor name in ('llama', 'qwen2'):\n    build(name, validate=False)"
 )
 
 
-def timed(command: list[str]) -> tuple[float, float]:
+def timed(command: list[str], cwd: Path = ROOT) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of one fresh process. CPU time is the steadier figure on a shared machine:
     other processes stretch the wall clock of both sides of a ratio, but hardly the work each side does."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run(command, check=True, cwd=ROOT, capture_output=True)
+    subprocess.run(command, check=True, cwd=cwd, capture_output=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def build_cost(rounds: int) -> None:
+def build_cost(rounds: int, against: Path | None = None) -> None:
+    """`against`: another checkout (e.g. main's worktree) whose `python -m fusegen -q build llama qwen2` runs in the
+    same rounds, with this interpreter and from that directory (so `-m` imports its `fusegen`)."""
+    start_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fusegen-bench-validation-") as out:
+        build = [sys.executable, "-m", "fusegen", "-q", "build", "llama", "qwen2", "--output-dir", out]
         commands = {
-            "fusegen -q build llama qwen2 (validated)": [
-                sys.executable, "-m", "fusegen", "-q", "build", "llama", "qwen2", "--output-dir", out,
-            ],
-            "same pipeline, validate=False": [sys.executable, "-c", UNVALIDATED],
-            "import floor": [sys.executable, "-c", FLOOR],
-        }  # fmt: skip
-        for command in commands.values():  # warm the page cache once
-            timed(command)
+            "fusegen -q build llama qwen2 (validated)": (build, ROOT),
+            "same pipeline, validate=False": ([sys.executable, "-c", UNVALIDATED], ROOT),
+            "import floor": ([sys.executable, "-c", FLOOR], ROOT),
+        }
+        if against is not None:
+            commands[f"the same build in {against}"] = (build, against)
+        for command, cwd in commands.values():  # warm the page cache once
+            timed(command, cwd)
         samples: dict[str, list[tuple[float, float]]] = {label: [] for label in commands}
         for _ in range(rounds):
-            for label, command in commands.items():
-                samples[label].append(timed(command))
+            for label, (command, cwd) in commands.items():
+                samples[label].append(timed(command, cwd))
     print(
-        f"## build cost: {rounds} interleaved rounds, fresh processes, medians (load average {os.getloadavg()[0]:.1f})"
+        f"## build cost: {rounds} interleaved rounds, fresh processes, medians (load average {os.getloadavg()[0]:.1f}"
+        f" at the end, {start_load:.1f} at the start)"
     )
     validated, unvalidated, floor = (
         "fusegen -q build llama qwen2 (validated)",
@@ -68,7 +75,7 @@ def build_cost(rounds: int) -> None:
         medians = {label: statistics.median(v[index] for v in values) for label, values in samples.items()}
         for label, value in medians.items():
             runs = ", ".join(f"{v[index]:.2f}" for v in samples[label])
-            print(f"{kind:4s} {label:42s} {value:6.2f} s  ({value / medians[floor]:.2f}x the floor; runs {runs})")
+            print(f"{kind:4s} {label:45s} {value:6.2f} s  ({value / medians[floor]:.2f}x the floor; runs {runs})")
         print(f"{kind:4s} validation's share: {medians[validated] - medians[unvalidated]:.2f} s\n")
 
 
@@ -113,14 +120,17 @@ def variants() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--against", type=Path, metavar="DIR", help="another checkout to build in the same rounds")
+    parser.add_argument("--cost-only", action="store_true", help="only the build cost (part 1)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    build_cost(args.rounds)
-    in_process()
-    variants()
+    build_cost(args.rounds, args.against.resolve() if args.against else None)
+    if not args.cost_only:
+        in_process()
+        variants()
 
 
 if __name__ == "__main__":

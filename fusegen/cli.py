@@ -132,7 +132,25 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+OPENMP_WAIT = ("OMP_WAIT_POLICY", "PASSIVE")
+"""Set in a `fusegen` process before torch loads its OpenMP runtime (unless the user set it; the processes it starts
+inherit it): idle OpenMP worker threads sleep instead of spinning. The build runs thousands of small kernels (the `rmsnorm` kind's exactness check
+alone, 510 cases per norm class, each a forward and a backward per side), many of them in a parallel region; with
+the default policy each region leaves a worker spinning for a while afterwards, which on 2 cores under load cost
+10 to 18 s of CPU for `build llama qwen2` where the work itself is 0.8 s (docs/benchmarks.md, "Build-time
+validation"). The policy decides only what an idle thread does, not how work is split or in what order anything
+is summed, so no number a build computes or checks changes."""
+
+
+def quiet_openmp() -> None:
+    """`OPENMP_WAIT`, where it can still take effect: torch not imported yet (the command line), and the variable
+    not set by the user. A process that imported torch already (a test calling `main`) is left alone."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault(*OPENMP_WAIT)
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_openmp()
     args = make_parser().parse_args(argv)
     console = Console(getattr(args, "verbosity", 0))
     if console.verbosity < 0:

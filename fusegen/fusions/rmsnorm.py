@@ -35,7 +35,9 @@ and only where two arguments agree.
    random parameters, several norm sizes (odd ones too), batch shapes (incl. per-head 4-d inputs and a strided
    view), input scales and eps values, in float32, bfloat16, float16, float64 and float32 weights with bfloat16
    input; outputs and the gradients of the input and of every parameter must be `torch.equal`. Any difference is
-   the refusal `norm-inexact`, with the case that showed it.
+   the refusal `norm-inexact`, with the case that showed it. A pass is kept for the process (`VERDICTS`,
+   `fusegen.fusions.verdicts`): a class whose check would run the same code on the same state and cases (Qwen2's
+   norm after Llama's: the same forward in another module) reuses it instead of running the 510 cases again.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from fusegen.core import astutil
 from fusegen.core.plan import FusionPlan, Refusal, Refused
 from fusegen.core.rules import rules as section_rules
 from fusegen.core.traced import Trace
-from fusegen.fusions import leaf
+from fusegen.fusions import leaf, verdicts
 from fusegen.fusions.base import Kind
 from fusegen.fusions.leaf import guard_forward
 
@@ -491,11 +493,25 @@ def compile_forward(cls: type, forward: ast.FunctionDef, namespace: dict | None 
     return leaf.compile_forward(cls, forward, namespace, KIND)
 
 
+VERDICTS = verdicts.Verdicts()
+"""The checks passed in this process (`fusegen.fusions.verdicts`): a norm class whose check would run the same code on
+the same state as one that passed (LlamaRMSNorm and Qwen2RMSNorm) is not checked again."""
+
+
 def check_exact(cls: type, instance: nn.Module, plan: NormPlan, namespace: dict | None = None) -> int:
-    """Run the original and the rewritten forward side by side; the number of cases, or `Refused("norm-inexact")`."""
+    """Run the original and the rewritten forward side by side; the number of cases, or `Refused("norm-inexact")`.
+
+    A pass is kept under `verdicts.check_key` of the two forwards, `instance`, the eps attribute and what
+    `compare_forwards` runs with (its functions and case tables, read now as it will read them), so an equal key
+    means the same cases run on the same code and state: the verdict would be the same, and is reused."""
     classdef = rewritten_class(cls, plan)
     rewritten = compile_forward(cls, astutil.method(classdef, "forward"), namespace)
-    return compare_forwards(instance, cls.forward, rewritten, plan.eps, plan.class_name)
+    check = (
+        compare_forwards, _cases, _resize, leaf.compare_exact, leaf.fresh_state, leaf.describe_diff,
+        SIZES, BATCH_SHAPES, SCALES, EPS_VALUES, DTYPES, plan.eps,
+    )  # fmt: skip
+    key = verdicts.check_key([cls.forward, rewritten], instance, check)
+    return VERDICTS.run(key, lambda: compare_forwards(instance, cls.forward, rewritten, plan.eps, plan.class_name))
 
 
 def compare_forwards(instance: nn.Module, original, rewritten, eps: str, name: str, seed: int = 0) -> int:
