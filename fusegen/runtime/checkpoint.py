@@ -289,10 +289,13 @@ def register_stacked_checkpoint(
     name without an entry is matched by bare piece names. A holder under an attribute not listed is left unfilled,
     which the generated classes refuse (`fusegen.runtime.check_loading`) rather than initialise randomly.
 
-    Transformers keys some built-in conversions by the original class name (`"Dots3NoteTextModel"`); a fused class
-    is looked up by its own name, so the original's class-keyed conversions are registered with ours. (Conversions
-    keyed by model type are found at the root as for the original class, because generated classes declare
-    themselves library code, see `FusedPreTrainedMixin.is_custom_code` in fusegen/runtime/pretrained.py.)
+    Transformers looks a model's conversions up by class name first, then by model type (the original
+    `AriaTextModel` has none of its own and gets `"aria_text"`'s, which renames the legacy `experts.fc1` to the
+    stacked `experts.gate_up_proj`). A fused class registered here is found by its own name, so the model-type
+    lookup would never happen for it: it is registered with the class-keyed ones here, and with what the original
+    gets at its place in each model built (`register_for_tree`). (Unregistered fused classes are looked up by
+    model type as the original is, because generated classes declare themselves library code, see
+    `FusedPreTrainedMixin.is_custom_code` in fusegen/runtime/pretrained.py.)
 
     Re-registering (re-import, `importlib.reload`) overwrites silently, because generated modules register at import
     time. Returns the converters built (a copy is registered per class name).
@@ -302,7 +305,76 @@ def register_stacked_checkpoint(
     for name in names:
         _check_registrable(name)
     for name in names:
-        original = get_checkpoint_conversion_mapping(name.removeprefix("Fused")) or []
-        converters = [*original, *stacked_converters]
-        register_checkpoint_conversion_mapping(name, deepcopy(converters), overwrite=True)
+        _REGISTERED[name] = stacked_converters
+        _register(name, get_checkpoint_conversion_mapping(name.removeprefix("Fused")) or [])
     return stacked_converters
+
+
+
+
+_REGISTERED: dict[str, list[WeightConverter]] = {}
+"""The fused class names `register_stacked_checkpoint` registered, with their merge converters."""
+
+
+def _register(name: str, original: list) -> None:
+    register_checkpoint_conversion_mapping(name, deepcopy([*original, *_REGISTERED[name]]), overwrite=True)
+
+
+def register_for_tree(root: nn.Module) -> None:
+    """Register each fused class of `root`'s tree with the conversions Transformers gives its original THERE.
+
+    Transformers (`get_model_conversion_mapping`) walks the `PreTrainedModel`s of a model and looks each up by class
+    name, else by model type; a model whose class or (looked up by type) model type an ancestor already got is
+    skipped, since the ancestor's conversions cover its keys. A fused class that fusegen registered is always found
+    by its own name, so the model-type lookup never happens for it. Here the same walk is made with the ORIGINAL
+    class names, and each registered fused class gets what its original got at its place: its class-keyed
+    conversions, its model type's (the original `AriaTextModel` under `AriaForConditionalGeneration` gets
+    `"aria_text"`'s, which rename the legacy `experts.fc1` to the stacked `experts.gate_up_proj`), or nothing (the
+    original `Inkling2Model` under `Inkling2ForConditionalGeneration`, whose `"inkling2"` conversions are unscoped at
+    the root already: applied twice, `position_embedding` would become `position_embedding.weight.weight`).
+
+    Which it is depends on the tree, so this runs for each built model (`FusedPreTrainedMixin.post_init`: the
+    root's runs last, right before `from_pretrained` looks the conversions up) and again before each later lookup
+    (saving, adapters, `load_checkpoint`'s renames). A fused class that sits at two places with different answers
+    keeps the conversions of the first place (rare: two sub-models of one class under different model types).
+    """
+    from transformers import PreTrainedModel
+
+    claimed: dict[str, list[str]] = {}
+    decided: dict[str, list] = {}
+    for path, module in root.named_modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        name = type(module).__name__
+        original = name.removeprefix("Fused") if name in _REGISTERED else name
+        model_type = getattr(module.config, "model_type", None)
+        found = _original_walk_step(module, path, original, model_type, claimed)
+        if name in _REGISTERED:
+            decided.setdefault(name, found or [])
+    for name, found in decided.items():
+        _register(name, found)
+
+
+def _original_walk_step(module, path: str, original: str, model_type: str | None, claimed: dict) -> list | None:
+    """One step of Transformers' walk, for the original class `original` at `path`: its conversions (None: none),
+    recording in `claimed` what it claims for its descendants."""
+    registered = original in USER_REGISTERED_MAPPINGS or model_type in USER_REGISTERED_MAPPINGS
+    custom = module.is_custom_code() and not registered
+    if custom or _under(path, claimed.get(original, ())):
+        return None
+    found = get_checkpoint_conversion_mapping(original)
+    by_class = found is not None
+    if not by_class:
+        if model_type and _under(path, claimed.get(model_type, ())):
+            return None
+        found = get_checkpoint_conversion_mapping(model_type) if model_type is not None else None
+    if found is None:
+        return None
+    claimed.setdefault(original, []).append(path)
+    if not by_class and model_type:
+        claimed.setdefault(model_type, []).append(path)
+    return found
+
+
+def _under(path: str, ancestors) -> bool:
+    return any(seen == "" or path.startswith(seen + ".") for seen in ancestors)
