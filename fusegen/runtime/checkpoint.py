@@ -132,7 +132,7 @@ class MergedColumnSplit(ConversionOps):
         tensor = tensors_of(next(iter(input_dict.values())))[0]
         # `full_layer_name` is the FIRST piece's full name (e.g. `model.layers.0.self_attn.q_proj.weight`);
         # swap the piece pattern for the merged one to find the module that owns the tensor.
-        head, found, tail = (full_layer_name or "").partition(target_patterns[0])
+        head, found, tail = _split_at_segment(full_layer_name or "", target_patterns[0])
         merged = find_merged_module(model, head + source_patterns[0]) if found else None
         if merged is None:
             raise ValueError(f"Cannot find the merged linear owning {full_layer_name!r}; need it for its output_sizes")
@@ -160,6 +160,17 @@ class MergedColumnSplit(ConversionOps):
     @property
     def reverse_op(self) -> ConversionOps:
         return MergedColumnConcatenate(self.dim)
+
+
+def _split_at_segment(name: str, piece: str) -> tuple[str, str, str]:
+    """`name.partition(piece)` at the last place `piece` is whole dotted segments (`...SelfAttention.q.weight` at
+    `q`, not at the `q` of an earlier `sequence`); `(name, "", "")` when it is nowhere."""
+    found = None
+    for found in re.finditer(rf"(?<![^.]){re.escape(piece)}(?![^.])", name):
+        pass
+    if found is None:
+        return name, "", ""
+    return name[: found.start()], piece, name[found.end() :]
 
 
 def _is_bias(name: str | None) -> bool:
@@ -196,9 +207,23 @@ class StackedConverter(WeightConverter):
     reaching it."""
 
     def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
+        """The key with the piece renamed WHERE the pattern matched.
+
+        Transformers' own method replaces the first occurrence of the matched text, which is another place when
+        that text also occurs earlier in the key: a bare piece name `k` (UDOP's `SelfAttention.k`, held where no
+        parent scopes it) occurs in `block` first, and `encoder.block.0....k.weight` became
+        `encoder.blocqkv_proj.0....k.weight`, a name the model lacks, so the merge lost a piece. The match itself
+        (scope, boundaries, which pattern) is Transformers' (`_scoped_match`); only the splice is by position."""
         if split_load():
             return source_key, None
-        return super().rename_source_key(source_key)
+        matched = self._scoped_match(source_key)
+        if matched is None:
+            return source_key, None
+        prefix, key, match = matched
+        self._was_used = True
+        group = next(name for name, value in match.groupdict().items() if value is not None)
+        renamed = key[: match.start()] + self.target_patterns[0] + key[match.end() :]
+        return (prefix or "") + renamed, self.source_patterns[int(group[1:])]
 
 
 def _piece_names(merged_name: str, pieces: Iterable[Any]) -> list[str]:
