@@ -89,3 +89,22 @@ def test_every_merged_linear_is_reached_by_its_pieces(model_type, tmp_path):
     assert_same_weights(original, direct)
     fused.save_pretrained(tmp_path / "again")
     assert saved_keys(tmp_path / "again") == saved_keys(checkpoint)
+
+
+@pytest.mark.slow
+def test_an_original_converter_that_makes_the_pieces_is_followed_by_the_merge(tmp_path):
+    # Step3p7's vision tower is saved with one `attn.in_proj_weight`, which the original's converter chunks into
+    # q_proj, k_proj, v_proj (and permutes for RoPE). Transformers applies one converter per key, so the merge must be
+    # composed with it.
+    fused_class, original, config, checkpoint = fused_and_original("step3p7", tmp_path)
+    keys = saved_keys(checkpoint)
+    assert any(key.endswith("attn.in_proj_weight") for key in keys)
+    fused, info = fused_class.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
+    assert not {key: value for key, value in info.items() if value}
+    assert_same_weights(original, fused)
+    tower = [name for name, _ in fused.named_parameters() if "vision_model" in name and "qkv_proj" in name]
+    assert tower
+    for name in tower:
+        prefix, _, tensor = name.rpartition(".qkv_proj.")
+        pieces = [original.get_parameter(f"{prefix}.{each}.{tensor}") for each in ("q_proj", "k_proj", "v_proj")]
+        assert torch.equal(fused.get_parameter(name), torch.cat(pieces)), name

@@ -342,7 +342,103 @@ _REGISTERED: dict[str, list[WeightConverter]] = {}
 
 
 def _register(name: str, original: list) -> None:
-    register_checkpoint_conversion_mapping(name, deepcopy([*original, *_REGISTERED[name]]), overwrite=True)
+    stacked = _REGISTERED[name]
+    kept, composed = [], []
+    for conversion in original:
+        merge = _composed(conversion, stacked)
+        (composed if merge is not None else kept).append(merge if merge is not None else conversion)
+    # Composed last: saving reverses the list, so the original's legacy tensor is written as the original writes it.
+    register_checkpoint_conversion_mapping(name, deepcopy([*kept, *stacked, *composed]), overwrite=True)
+
+
+_PIECE_RE = re.compile(r"(?P<head>(?:[A-Za-z_]\w*\.)*?)(?P<piece>[A-Za-z_]\w*)(?P<tail>\.(?:weight|bias))?")
+
+
+def _composed(conversion, stacked: list) -> WeightConverter | None:
+    """The original's converter `conversion` followed by a merge, when its outputs are exactly the pieces of one
+    merged linear, in order (Step3p7's vision `attn.in_proj_weight`, chunked to `attn.q_proj.weight`,
+    `attn.k_proj.weight`, `attn.v_proj.weight`): one converter doing both, since Transformers applies at most one
+    converter to a key, so the pieces it makes would never reach the merge. Else None (kept as it is)."""
+    if not isinstance(conversion, WeightConverter) or isinstance(conversion, StackedConverter):
+        return None
+    targets = [_PIECE_RE.fullmatch(t.replace("\\", "")) for t in conversion._original_target_patterns]
+    if len(targets) < 2 or any(t is None for t in targets):
+        return None
+    heads, tails = {t["head"] for t in targets}, {t["tail"] or "" for t in targets}
+    if len(heads) != 1 or len(tails) != 1:
+        return None
+    head, tail, pieces = heads.pop(), tails.pop(), [t["piece"] for t in targets]
+    for merge in stacked:
+        names = [pattern.removeprefix(_LEFT_BOUNDARY) for pattern in merge._original_source_patterns]
+        parents = {name.rpartition(".")[0] for name in names}
+        if [name.rpartition(".")[2] for name in names] != pieces or len(parents) != 1:
+            continue
+        parent = parents.pop()
+        if not (parent + ".").endswith(head) and not (head == "" or parent == ""):
+            continue
+        merged = merge._original_target_patterns[0].rpartition(".")[2]
+        return WeightConverter(
+            source_patterns=list(conversion._original_source_patterns),
+            target_patterns=f"{head}{merged}{tail}",
+            operations=[
+                ThenMerge(list(conversion.operations), list(conversion.source_patterns), list(conversion.target_patterns))
+            ],
+        )
+    return None
+
+
+class ThenMerge(ConversionOps):
+    """Load direction: the original converter's ops, with its own patterns, then the pieces they produce
+    concatenated in order into the merged tensor (checked against the merged linear's `output_sizes`)."""
+
+    def __init__(self, operations: list, sources: list[str], pieces: list[str]):
+        self.operations, self.sources, self.pieces = operations, sources, pieces
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        produced = input_dict
+        for op in self.operations:
+            produced = op.convert(
+                produced, self.sources, self.pieces, full_layer_name=full_layer_name, model=model, **kwargs
+            )
+        tensors = [tensors_of(produced[piece])[0] for piece in self.pieces]
+        merged = find_merged_linear(model, full_layer_name)
+        sizes = [tensor.shape[0] for tensor in tensors]
+        if merged is None or sizes != list(merged.output_sizes) or not layout_of(merged).is_contiguous:
+            raise ValueError(
+                f"{full_layer_name}: the original's conversion made pieces of sizes {sizes}, which do not stack into "
+                f"the merged linear (output_sizes={getattr(merged, 'output_sizes', None)})"
+            )
+        return {target_patterns[0]: [torch.cat(tensors, dim=0)]}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return SplitThen([op.reverse_op for op in self.operations[::-1]], self.pieces, self.sources)
+
+
+class SplitThen(ConversionOps):
+    """Save direction of `ThenMerge`: the merged tensor split by `output_sizes` into the pieces, then the original
+    converter's reversed ops, so the original's own tensor is written (`attn.in_proj_weight`)."""
+
+    def __init__(self, operations: list, pieces: list[str], sources: list[str]):
+        self.operations, self.pieces, self.sources = operations, pieces, sources
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        tensor = tensors_of(next(iter(input_dict.values())))[0]
+        merged = find_merged_linear(model, full_layer_name)
+        if merged is None or not layout_of(merged).is_contiguous:
+            raise ValueError(f"Cannot find the merged linear owning {full_layer_name!r}; need it for its output_sizes")
+        produced = dict(zip(self.pieces, tensor.split(list(merged.output_sizes), dim=0)))
+        for op in self.operations:
+            produced = op.convert(
+                produced, self.pieces, self.sources, full_layer_name=full_layer_name, model=model, **kwargs
+            )
+        return produced
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return ThenMerge([op.reverse_op for op in self.operations[::-1]], self.sources, self.pieces)
 
 
 def register_for_tree(root: nn.Module) -> None:
