@@ -26,25 +26,43 @@ def stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
     return mapping
 
 
-def checkpoint_classes(model: nn.Module, target: Target, renames: dict[str, str]) -> list[str]:
+def merging_classes(outcomes) -> set[str]:
+    """The original classes that hold a merged linear in the fused model."""
+    return {outcome.class_name for outcome in outcomes if any(plan.shards for plan in outcome.fused)}
+
+
+def checkpoint_classes(
+    model: nn.Module, target: Target, renames: dict[str, str], merging: Collection[str] = ()
+) -> list[str]:
     """Fused `PreTrainedModel` classes whose checkpoints need the stacked mapping.
 
-    The base model class is enough: Transformers scopes a nested model's
-    conversions to its prefix, and the causal LM nests it.
+    The nested base models are enough when every merged linear sits inside one: Transformers scopes a nested
+    model's conversions to its prefix, and the causal LM nests it. A merged linear whose nearest enclosing
+    `PreTrainedModel` is the root itself (Kosmos-2's `image_to_text_projection.x_attn`, beside its text and vision
+    models) is reached by no nested model's conversions, so the root is registered too. `merging`: the original
+    class names that hold a merged linear (`merging_classes`).
     """
     from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     names = []
-    for module in model.modules():
+    nested = []
+    for path, module in model.named_modules():
         name = type(module).__name__
         if isinstance(module, PreTrainedModel) and module is not model and name in renames:
             names.append(renames[name])
+        if isinstance(module, PreTrainedModel) and module is not model:
+            nested.append(path)
     root = target.causal_lm.__name__
-    if names and root in renames and get_checkpoint_conversion_mapping(root) is not None:
+    at_root = any(
+        type(module).__name__ in merging and not any(path.startswith(each + ".") for each in nested)
+        for path, module in model.named_modules()
+    )
+    if names and root in renames and (at_root or get_checkpoint_conversion_mapping(root) is not None):
         # The original root's own class-keyed renames (Qwen2.5-VL's legacy `model.layers.*` -> the nested language
         # model's keys) are found by class name; the fused root is looked up by its own name, so it is registered
-        # too, carrying them (`register_stacked_checkpoint` copies the original's conversions for each name).
+        # too, carrying them (`register_stacked_checkpoint` copies the original's conversions for each name, and
+        # `fusegen.runtime.checkpoint.register_for_tree` its model type's where it has no class-keyed ones).
         names.append(renames[root])
     return sorted(set(names)) or [renames[root]]
 

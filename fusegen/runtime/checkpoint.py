@@ -132,7 +132,7 @@ class MergedColumnSplit(ConversionOps):
         tensor = tensors_of(next(iter(input_dict.values())))[0]
         # `full_layer_name` is the FIRST piece's full name (e.g. `model.layers.0.self_attn.q_proj.weight`);
         # swap the piece pattern for the merged one to find the module that owns the tensor.
-        head, found, tail = (full_layer_name or "").partition(target_patterns[0])
+        head, found, tail = _split_at_segment(full_layer_name or "", target_patterns[0])
         merged = find_merged_module(model, head + source_patterns[0]) if found else None
         if merged is None:
             raise ValueError(f"Cannot find the merged linear owning {full_layer_name!r}; need it for its output_sizes")
@@ -160,6 +160,17 @@ class MergedColumnSplit(ConversionOps):
     @property
     def reverse_op(self) -> ConversionOps:
         return MergedColumnConcatenate(self.dim)
+
+
+def _split_at_segment(name: str, piece: str) -> tuple[str, str, str]:
+    """`name.partition(piece)` at the last place `piece` is whole dotted segments (`...SelfAttention.q.weight` at
+    `q`, not at the `q` of an earlier `sequence`); `(name, "", "")` when it is nowhere."""
+    found = None
+    for found in re.finditer(rf"(?<![^.]){re.escape(piece)}(?![^.])", name):
+        pass
+    if found is None:
+        return name, "", ""
+    return name[: found.start()], piece, name[found.end() :]
 
 
 def _is_bias(name: str | None) -> bool:
@@ -196,9 +207,23 @@ class StackedConverter(WeightConverter):
     reaching it."""
 
     def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
+        """The key with the piece renamed WHERE the pattern matched.
+
+        Transformers' own method replaces the first occurrence of the matched text, which is another place when
+        that text also occurs earlier in the key: a bare piece name `k` (UDOP's `SelfAttention.k`, held where no
+        parent scopes it) occurs in `block` first, and `encoder.block.0....k.weight` became
+        `encoder.blocqkv_proj.0....k.weight`, a name the model lacks, so the merge lost a piece. The match itself
+        (scope, boundaries, which pattern) is Transformers' (`_scoped_match`); only the splice is by position."""
         if split_load():
             return source_key, None
-        return super().rename_source_key(source_key)
+        matched = self._scoped_match(source_key)
+        if matched is None:
+            return source_key, None
+        prefix, key, match = matched
+        self._was_used = True
+        group = next(name for name, value in match.groupdict().items() if value is not None)
+        renamed = key[: match.start()] + self.target_patterns[0] + key[match.end() :]
+        return (prefix or "") + renamed, self.source_patterns[int(group[1:])]
 
 
 def _piece_names(merged_name: str, pieces: Iterable[Any]) -> list[str]:
@@ -289,10 +314,13 @@ def register_stacked_checkpoint(
     name without an entry is matched by bare piece names. A holder under an attribute not listed is left unfilled,
     which the generated classes refuse (`fusegen.runtime.check_loading`) rather than initialise randomly.
 
-    Transformers keys some built-in conversions by the original class name (`"Dots3NoteTextModel"`); a fused class
-    is looked up by its own name, so the original's class-keyed conversions are registered with ours. (Conversions
-    keyed by model type are found at the root as for the original class, because generated classes declare
-    themselves library code, see `FusedPreTrainedMixin.is_custom_code` in fusegen/runtime/pretrained.py.)
+    Transformers looks a model's conversions up by class name first, then by model type (the original
+    `AriaTextModel` has none of its own and gets `"aria_text"`'s, which renames the legacy `experts.fc1` to the
+    stacked `experts.gate_up_proj`). A fused class registered here is found by its own name, so the model-type
+    lookup would never happen for it: it is registered with the class-keyed ones here, and with what the original
+    gets at its place in each model built (`register_for_tree`). (Unregistered fused classes are looked up by
+    model type as the original is, because generated classes declare themselves library code, see
+    `FusedPreTrainedMixin.is_custom_code` in fusegen/runtime/pretrained.py.)
 
     Re-registering (re-import, `importlib.reload`) overwrites silently, because generated modules register at import
     time. Returns the converters built (a copy is registered per class name).
@@ -302,7 +330,172 @@ def register_stacked_checkpoint(
     for name in names:
         _check_registrable(name)
     for name in names:
-        original = get_checkpoint_conversion_mapping(name.removeprefix("Fused")) or []
-        converters = [*original, *stacked_converters]
-        register_checkpoint_conversion_mapping(name, deepcopy(converters), overwrite=True)
+        _REGISTERED[name] = stacked_converters
+        _register(name, get_checkpoint_conversion_mapping(name.removeprefix("Fused")) or [])
     return stacked_converters
+
+
+
+
+_REGISTERED: dict[str, list[WeightConverter]] = {}
+"""The fused class names `register_stacked_checkpoint` registered, with their merge converters."""
+
+
+def _register(name: str, original: list) -> None:
+    stacked = _REGISTERED[name]
+    kept, composed = [], []
+    for conversion in original:
+        merge = _composed(conversion, stacked)
+        (composed if merge is not None else kept).append(merge if merge is not None else conversion)
+    # Composed last: saving reverses the list, so the original's legacy tensor is written as the original writes it.
+    register_checkpoint_conversion_mapping(name, deepcopy([*kept, *stacked, *composed]), overwrite=True)
+
+
+_PIECE_RE = re.compile(r"(?P<head>(?:[A-Za-z_]\w*\.)*?)(?P<piece>[A-Za-z_]\w*)(?P<tail>\.(?:weight|bias))?")
+
+
+def _composed(conversion, stacked: list) -> WeightConverter | None:
+    """The original's converter `conversion` followed by a merge, when its outputs are exactly the pieces of one
+    merged linear, in order (Step3p7's vision `attn.in_proj_weight`, chunked to `attn.q_proj.weight`,
+    `attn.k_proj.weight`, `attn.v_proj.weight`): one converter doing both, since Transformers applies at most one
+    converter to a key, so the pieces it makes would never reach the merge. Else None (kept as it is)."""
+    if not isinstance(conversion, WeightConverter) or isinstance(conversion, StackedConverter):
+        return None
+    targets = [_PIECE_RE.fullmatch(t.replace("\\", "")) for t in conversion._original_target_patterns]
+    if len(targets) < 2 or any(t is None for t in targets):
+        return None
+    heads, tails = {t["head"] for t in targets}, {t["tail"] or "" for t in targets}
+    if len(heads) != 1 or len(tails) != 1:
+        return None
+    head, tail, pieces = heads.pop(), tails.pop(), [t["piece"] for t in targets]
+    for merge in stacked:
+        names = [pattern.removeprefix(_LEFT_BOUNDARY) for pattern in merge._original_source_patterns]
+        parents = {name.rpartition(".")[0] for name in names}
+        if [name.rpartition(".")[2] for name in names] != pieces or len(parents) != 1:
+            continue
+        parent = parents.pop()
+        if not (parent + ".").endswith(head) and not (head == "" or parent == ""):
+            continue
+        merged = merge._original_target_patterns[0].rpartition(".")[2]
+        return WeightConverter(
+            source_patterns=list(conversion._original_source_patterns),
+            target_patterns=f"{head}{merged}{tail}",
+            operations=[
+                ThenMerge(list(conversion.operations), list(conversion.source_patterns), list(conversion.target_patterns))
+            ],
+        )
+    return None
+
+
+class ThenMerge(ConversionOps):
+    """Load direction: the original converter's ops, with its own patterns, then the pieces they produce
+    concatenated in order into the merged tensor (checked against the merged linear's `output_sizes`)."""
+
+    def __init__(self, operations: list, sources: list[str], pieces: list[str]):
+        self.operations, self.sources, self.pieces = operations, sources, pieces
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        produced = input_dict
+        for op in self.operations:
+            produced = op.convert(
+                produced, self.sources, self.pieces, full_layer_name=full_layer_name, model=model, **kwargs
+            )
+        tensors = [tensors_of(produced[piece])[0] for piece in self.pieces]
+        merged = find_merged_linear(model, full_layer_name)
+        sizes = [tensor.shape[0] for tensor in tensors]
+        if merged is None or sizes != list(merged.output_sizes) or not layout_of(merged).is_contiguous:
+            raise ValueError(
+                f"{full_layer_name}: the original's conversion made pieces of sizes {sizes}, which do not stack into "
+                f"the merged linear (output_sizes={getattr(merged, 'output_sizes', None)})"
+            )
+        return {target_patterns[0]: [torch.cat(tensors, dim=0)]}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return SplitThen([op.reverse_op for op in self.operations[::-1]], self.pieces, self.sources)
+
+
+class SplitThen(ConversionOps):
+    """Save direction of `ThenMerge`: the merged tensor split by `output_sizes` into the pieces, then the original
+    converter's reversed ops, so the original's own tensor is written (`attn.in_proj_weight`)."""
+
+    def __init__(self, operations: list, pieces: list[str], sources: list[str]):
+        self.operations, self.pieces, self.sources = operations, pieces, sources
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        tensor = tensors_of(next(iter(input_dict.values())))[0]
+        merged = find_merged_linear(model, full_layer_name)
+        if merged is None or not layout_of(merged).is_contiguous:
+            raise ValueError(f"Cannot find the merged linear owning {full_layer_name!r}; need it for its output_sizes")
+        produced = dict(zip(self.pieces, tensor.split(list(merged.output_sizes), dim=0)))
+        for op in self.operations:
+            produced = op.convert(
+                produced, self.pieces, self.sources, full_layer_name=full_layer_name, model=model, **kwargs
+            )
+        return produced
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return ThenMerge([op.reverse_op for op in self.operations[::-1]], self.sources, self.pieces)
+
+
+def register_for_tree(root: nn.Module) -> None:
+    """Register each fused class of `root`'s tree with the conversions Transformers gives its original THERE.
+
+    Transformers (`get_model_conversion_mapping`) walks the `PreTrainedModel`s of a model and looks each up by class
+    name, else by model type; a model whose class or (looked up by type) model type an ancestor already got is
+    skipped, since the ancestor's conversions cover its keys. A fused class that fusegen registered is always found
+    by its own name, so the model-type lookup never happens for it. Here the same walk is made with the ORIGINAL
+    class names, and each registered fused class gets what its original got at its place: its class-keyed
+    conversions, its model type's (the original `AriaTextModel` under `AriaForConditionalGeneration` gets
+    `"aria_text"`'s, which rename the legacy `experts.fc1` to the stacked `experts.gate_up_proj`), or nothing (the
+    original `Inkling2Model` under `Inkling2ForConditionalGeneration`, whose `"inkling2"` conversions are unscoped at
+    the root already: applied twice, `position_embedding` would become `position_embedding.weight.weight`).
+
+    Which it is depends on the tree, so this runs for each built model (`FusedPreTrainedMixin.post_init`: the
+    root's runs last, right before `from_pretrained` looks the conversions up) and again before each later lookup
+    (saving, adapters, `load_checkpoint`'s renames). A fused class that sits at two places with different answers
+    keeps the conversions of the first place (rare: two sub-models of one class under different model types).
+    """
+    from transformers import PreTrainedModel
+
+    claimed: dict[str, list[str]] = {}
+    decided: dict[str, list] = {}
+    for path, module in root.named_modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        name = type(module).__name__
+        original = name.removeprefix("Fused") if name in _REGISTERED else name
+        model_type = getattr(module.config, "model_type", None)
+        found = _original_walk_step(module, path, original, model_type, claimed)
+        if name in _REGISTERED:
+            decided.setdefault(name, found or [])
+    for name, found in decided.items():
+        _register(name, found)
+
+
+def _original_walk_step(module, path: str, original: str, model_type: str | None, claimed: dict) -> list | None:
+    """One step of Transformers' walk, for the original class `original` at `path`: its conversions (None: none),
+    recording in `claimed` what it claims for its descendants."""
+    registered = original in USER_REGISTERED_MAPPINGS or model_type in USER_REGISTERED_MAPPINGS
+    custom = module.is_custom_code() and not registered
+    if custom or _under(path, claimed.get(original, ())):
+        return None
+    found = get_checkpoint_conversion_mapping(original)
+    by_class = found is not None
+    if not by_class:
+        if model_type and _under(path, claimed.get(model_type, ())):
+            return None
+        found = get_checkpoint_conversion_mapping(model_type) if model_type is not None else None
+    if found is None:
+        return None
+    claimed.setdefault(original, []).append(path)
+    if not by_class and model_type:
+        claimed.setdefault(model_type, []).append(path)
+    return found
+
+
+def _under(path: str, ancestors) -> bool:
+    return any(seen == "" or path.startswith(seen + ".") for seen in ancestors)

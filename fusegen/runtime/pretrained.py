@@ -122,8 +122,9 @@ def save_canonical(model) -> None:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
-    from .checkpoint import MergedColumnConcatenate
+    from .checkpoint import MergedColumnConcatenate, register_for_tree
 
+    register_for_tree(model)
     merges = [
         conversion
         for conversion in get_model_conversion_mapping(model, add_legacy=False)
@@ -204,6 +205,15 @@ class FusedPreTrainedMixin:
     through the class's MRO, so subclasses defined elsewhere behave as the generated class does.
     """
 
+    def post_init(self):
+        """Transformers' post_init; then the fused classes of this model's tree get the checkpoint conversions their
+        originals get at their places (`fusegen.runtime.checkpoint.register_for_tree`): the root's post_init runs
+        last, right before `from_pretrained` looks them up."""
+        super().post_init()
+        from .checkpoint import register_for_tree
+
+        register_for_tree(self)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Transformers' from_pretrained, for the canonical layout and `fusegen convert`'s fused one (validated first)."""
@@ -275,6 +285,9 @@ class FusedPreTrainedMixin:
         Conversions that cannot be reversed are left out while saving (see `reversible_conversions`)."""
         from .auto import save_pretrained as save_pretrained_canonically
 
+        from .checkpoint import register_for_tree
+
+        register_for_tree(self)  # a model built after this one may have registered its own tree's conversions
         used = getattr(self, "_weight_conversions", None)
         if used:
             self._weight_conversions = reversible_conversions(used)
@@ -286,7 +299,10 @@ class FusedPreTrainedMixin:
 
     def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
         """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
+        from .checkpoint import register_for_tree
         from .peft import load_adapter as load_adapter_packed
+
+        register_for_tree(self)
 
         return load_adapter_packed(
             self, super().load_adapter, peft_model_id, adapter_name, peft_config, adapter_state_dict, **kwargs

@@ -45,8 +45,11 @@ def _renamings(model: nn.Module) -> list:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
+    from .checkpoint import register_for_tree
+
     if not isinstance(model, PreTrainedModel):
         return []
+    register_for_tree(model)
     return [each for each in get_model_conversion_mapping(model) if isinstance(each, WeightRenaming)]
 
 
