@@ -18,6 +18,8 @@ processor would lay it out:
   `token_type_ids` marking them where the forward takes those (Gemma 3's bidirectional image attention).
 - robot state, action noise and timestep for a vision-language-action model (PI0, `action_inputs`).
 - Pix2Struct's `flattened_patches` (`flattened_patches`).
+- audio tokens among the text and a frame mask where the model places audio features there (Qwen2.5-Omni's thinker,
+  `with_audio_tokens`, counted as image tokens are).
 - audio: `input_features` of `(batch, mel bins, 2 * max_source_positions)` (Whisper's two stride-2 convolutions).
 - decoder tokens for an encoder-decoder (`decoder_input_ids`), random ids as the text; encoder states for a
   decoder-only head with cross-attention (`encoder_hidden_states`), where the original runs with them.
@@ -103,6 +105,10 @@ def _forward_inputs(
     )
     if not image_sizes:
         images.pop("image_sizes", None)
+    if "input_features" in parameters:
+        inputs["input_features"] = audio_features(config, input_ids.shape[0], generator)
+        if "feature_attention_mask" in parameters:
+            input_ids, inputs["feature_attention_mask"] = with_audio_tokens(model, config, input_ids, inputs)
     if images:
         input_ids = with_image_tokens(model, config, input_ids, images)
         token = image_token_id(config)
@@ -114,8 +120,6 @@ def _forward_inputs(
     if "input_ids" in parameters:
         inputs["input_ids"] = input_ids
         inputs["attention_mask"] = torch.ones_like(input_ids)
-    if "input_features" in parameters:
-        inputs["input_features"] = audio_features(config, input_ids.shape[0], generator)
     inputs.update(action_inputs(parameters, config, input_ids.shape[0], generator))
     if "flattened_patches" in parameters:
         inputs.update(flattened_patches(config, *input_ids.shape, generator))
@@ -255,6 +259,37 @@ def with_image_tokens(model: nn.Module, config, input_ids: torch.Tensor, images:
     return torch.cat([input_ids[:, :PREFIX], block, input_ids[:, PREFIX:]], dim=1)
 
 
+def with_audio_tokens(
+    model: nn.Module, config, input_ids: torch.Tensor, inputs: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a model that places audio features among the text (Qwen2.5-Omni's thinker): `input_ids` with each
+    sequence's audio tokens after `PREFIX` text tokens, as many as the audio tower yields features for one clip
+    (asked of `get_audio_features`), between the audio start and end tokens when the config has them; and the
+    `feature_attention_mask` of ones `(batch, frames)` those features were computed under (no frame is padding).
+    The ids unchanged where the config names no audio token or the model cannot count its features."""
+    features = inputs["input_features"]
+    mask = torch.ones(features.shape[0], features.shape[-1], dtype=torch.long)
+    token = next(
+        (v for n in ("audio_token_id", "audio_token_index") if isinstance(v := getattr(config, n, None), int)), None
+    )
+    method = getattr(model, "get_audio_features", None)
+    if token is None or method is None:
+        return input_ids, mask
+    with torch.no_grad():
+        output = method(features, feature_attention_mask=mask)
+    states = getattr(output, "last_hidden_state", output)
+    total = states.numel() // config.get_text_config().hidden_size
+    per_clip, left = divmod(total, input_ids.shape[0])
+    if per_clip == 0 or left:
+        raise ValueError(f"{total} audio features do not split evenly over {input_ids.shape[0]} clips")
+    audio = [token] * per_clip
+    start, end = getattr(config, "audio_start_token_id", None), getattr(config, "audio_end_token_id", None)
+    if isinstance(start, int) and isinstance(end, int):
+        audio = [start, *audio, end]
+    block = torch.tensor(audio, dtype=input_ids.dtype).expand(input_ids.shape[0], -1)
+    return torch.cat([input_ids[:, :PREFIX], block, input_ids[:, PREFIX:]], dim=1), mask
+
+
 def action_inputs(parameters: set[str], config, batch: int, generator: torch.Generator) -> dict:
     """A vision-language-action model's other inputs (PI0, which predicts a chunk of robot actions by denoising):
     the robot `state` `(batch, max_state_dim)`, and the `noise` `(batch, chunk_size, max_action_dim)` and flow
@@ -290,8 +325,9 @@ def flattened_patches(config, batch: int, length: int, generator: torch.Generato
 def audio_features(config, batch: int, generator: torch.Generator) -> torch.Tensor:
     """Log-mel features `(batch, num_mel_bins, frames)`: twice `max_source_positions` frames, what two stride-2
     convolutions bring down to the encoder's positions (Whisper), else 2 x 16."""
-    bins = getattr(config, "num_mel_bins", None) or 80
-    positions = getattr(config, "max_source_positions", None) or 16
+    audio = getattr(config, "audio_config", None)  # a composite model's audio tower (Qwen2.5-Omni's thinker)
+    bins = getattr(config, "num_mel_bins", None) or getattr(audio, "num_mel_bins", None) or 80
+    positions = getattr(config, "max_source_positions", None) or getattr(audio, "max_source_positions", None) or 16
     return torch.randn(batch, bins, 2 * positions, generator=generator)
 
 

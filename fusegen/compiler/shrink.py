@@ -542,7 +542,8 @@ RULES: list[tuple[re.Pattern, Any]] = [
             (
                 r"(^|_)(hidden_size|d_model|n_embd|embed_dim|emb_dim|embedding_dim|embedding_size|word_embed_proj_dim"
                 r"|lru_width|attention_hidden_size|hidden_size_global|backbone_hidden_size|input_embedding_size"
-                r"|output_embedding_size|ple_embed_dim|adapter_in_dim|adapter_out_dim|adapter_input_size|projection_dim)$"
+                r"|output_embedding_size|ple_embed_dim|adapter_in_dim|adapter_out_dim|adapter_input_size|projection_dim"
+                r"|output_dim)$"
             ),
             _to(HIDDEN),
         ),
@@ -704,9 +705,13 @@ def _add_mrope_sections(cls, values: dict[str, Any], names: dict[str, str]) -> N
 
 def reads_mrope(cls) -> bool:
     """Whether config class `cls`'s model splits its rotary dimension into multimodal sections: the config lists
-    `mrope_section` among the rope keys it validates itself, or its modeling module falls back to default ones."""
+    `mrope_section` among the rope keys it validates itself, or it is no tower's config (the text model's, or a
+    top level) and its modeling module falls back to default sections."""
     declared = "mrope_section" in (getattr(cls, "ignore_keys_at_rope_validation", None) or ())
-    return declared or _modeling_mrope_default(cls) is not None
+    if declared:
+        return True
+    tower = getattr(cls, "base_config_key", "") not in ("", "text_config")  # a vision or audio tower's own rope
+    return not tower and _modeling_mrope_default(cls) is not None
 
 
 _MROPE_DEFAULT = re.compile(r"\.get\(\s*[\"']mrope_section[\"']\s*,\s*\[([\d\s,]+)\]\s*\)")
@@ -868,6 +873,9 @@ def _apertus1p5(values: dict[str, Any]) -> dict[str, Any]:
 
 FIXES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "apertus1p5": _apertus1p5,
+    # the thinker's rope index reads `vision_start_token_id` on every forward, which its config class does not define
+    # (the composite Qwen2.5-Omni config does): ids of the tiny vocabulary below the remapped special ones
+    "qwen2_5_omni_thinker": _set(vision_start_token_id=VOCAB - 8, vision_end_token_id=VOCAB - 9),
     "gpt_neo": _gpt_neo,
     "mamba2": _mamba2,
     # attention layers are listed explicitly, and the default lists none
