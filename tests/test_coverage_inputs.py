@@ -207,3 +207,12 @@ def test_the_original_runs_on_the_built_inputs_and_reads_them(model_type, modal)
     with torch.no_grad():
         logits, moved = model(**inputs).logits, model(**other).logits
     assert torch.isfinite(logits).all() and not torch.allclose(logits, moved)
+
+
+@pytest.mark.slow
+def test_pix2struct_is_verified_on_its_patches_not_skipped():
+    # Its forward takes no token ids: the verifier dropped the patches it built and the original refused to run.
+    result = _verify_isolated("pix2struct")
+    assert result["status"] == "verified", result["reason"]
+    assert "flattened_patches" in result["reason"]
+    assert "FusedPix2StructVisionAttention" in result["checks"][0]["exercised"]
