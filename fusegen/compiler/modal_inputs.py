@@ -7,11 +7,12 @@ processor would lay it out:
 
 - images (`pixel_values`): `(batch, channels, size, size)` at the vision config's `image_size`, with `image_sizes`
   where the forward takes them (Mistral 3, LLaVA-NeXT; an any-resolution model's `(batch, 1 + tiles, channels,
-  size, size)`, the base image and the tiles of its grid, `anyres_tiles`) and a pixel mask and an images axis where it takes one
-  (SmolVLM) or one camera and a per-camera mask where the vision config sits in a nested vision-language config
-  (PI0's `vlm_config`), an images axis and a text-to-image mask where the text cross-attends to them (IDEFICS's
-  `image_attention_mask`); for the Qwen-VL family, flattened patches of one `(1, 2m, 2m)` grid per image (`image_grid_thw`, m the
-  spatial merge size), so the merger has whole windows to merge.
+  size, size)`, the base image and the tiles of its grid, `anyres_tiles`); a pixel mask and an images axis where
+  it takes one (SmolVLM), or one camera and a per-camera mask where the vision config sits in a nested
+  vision-language config (PI0's `vlm_config`); an images axis and a text-to-image mask where the text
+  cross-attends to them (IDEFICS's `image_attention_mask`); for the Qwen-VL family, flattened patches of one
+  `(1, 2m, 2m)` grid per image (`image_grid_thw`, m the spatial merge size), so the merger has whole windows to
+  merge, or the same patches as small images where the flattened layout fails (PaddleOCR-VL).
 - image tokens: as many per image as the vision path yields features (asked of the model itself,
   `get_image_features`, so no per-model count is hard-coded), placed after a short text prefix between the
   vision start/end tokens when the config has them (Qwen-VL's rope index looks for the start token), with
