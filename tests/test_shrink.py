@@ -99,3 +99,59 @@ def test_anyres_pinpoints_are_rescaled_with_the_vision_tile(model_type):
     old, new = full.vision_config.image_size, tiny.vision_config.image_size
     assert new < old and all(h % old == 0 and w % old == 0 for h, w in full.image_grid_pinpoints)
     assert tiny.image_grid_pinpoints == [[h // old * new, w // old * new] for h, w in full.image_grid_pinpoints]
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    ["glm4v", "glm4v_moe", "glm_ocr", "paddleocr_vl", "hunyuan_vl", "cosmos3_edge", "hy_v4_vl", "qwen2_vl"],
+)
+def test_multimodal_rope_sections_split_the_tiny_rotary_half(model_type):
+    # Before, GLM-4V's and PaddleOCR-VL's models fell back to full-size sections ([8, 12, 12]) the tiny head could not
+    # split, HunYuanVL had none (its image positions need three axes), and Cosmos 3 Edge's and HY-V4-VL's own
+    # validation rejected their full-size sections. The sections must cover exactly the frequencies the rotary
+    # embedding built from the tiny config computes (GLM-4V-MoE rotates half the head, HY-V4-VL its rope slice).
+    from fusegen.compiler.resolve import resolve
+
+    target = resolve(model_type)
+    with torch.device("meta"):
+        model = target.causal_lm(shrunk_config(target.config_class))
+    [rotary] = {type(m): m for m in model.modules() if hasattr(m, "mrope_section") and hasattr(m, "inv_freq")}.values()
+    assert len(rotary.mrope_section) >= 3 and min(rotary.mrope_section) >= 1
+    assert sum(rotary.mrope_section) == rotary.inv_freq.shape[-1]
+
+
+def test_a_rotary_half_too_narrow_for_three_sections_keeps_the_models_own_fallback():
+    from transformers import Qwen3_5Config
+
+    text = shrunk_config(Qwen3_5Config).get_text_config()
+    assert "mrope_section" not in text.rope_parameters  # a quarter of 16: two frequencies, fewer than three axes
+
+
+def test_vision_feature_layers_index_the_tiny_tower_and_stay_distinct():
+    # Molmo 2's adapter concatenates the features of layers [24, 18] (set in __post_init__): the tiny config's own
+    # validation rejected them for a 2-layer tower.
+    from transformers import Molmo2Config
+
+    tiny = shrunk_config(Molmo2Config)
+    layers = tiny.adapter_config.vision_feature_layer
+    count = tiny.vision_config.num_hidden_layers
+    assert len(set(layers)) == len(layers) == 2 and all(0 <= layer < count for layer in layers)
+
+
+def test_codebook_ranges_and_widths_fit_the_tiny_model():
+    from transformers import Apertus1p5Config
+
+    tiny = shrunk_config(Apertus1p5Config)  # validates: image codes end where audio codes begin, inside the vocabulary
+    assert tiny.audio_token_offset + tiny.audio_config.codebook_size <= tiny.text_config.vocab_size == VOCAB
+    assert tiny.audio_config.codebook_dim == tiny.audio_config.hidden_size <= HIDDEN  # WavTokenizer's demand
+
+
+def test_nested_sub_config_dicts_are_shrunk_over_their_field_defaults():
+    # PI0 spells its PaliGemma's Gemma text config as a dict without `head_dim`: Gemma's default 256 stayed full size,
+    # and the tiny VLM's keys no longer matched the action expert's in the shared cache.
+    from transformers import PI0Config, Pix2StructConfig
+
+    tiny = shrunk_config(PI0Config)
+    assert tiny.vlm_config.text_config.head_dim == tiny.dit_config.head_dim <= HEAD_DIM
+    text = shrunk_config(Pix2StructConfig).text_config  # T5-style `d_kv` is a head dim: heads x d_kv is the width
+    assert text.d_kv * text.num_heads == text.hidden_size

@@ -13,6 +13,7 @@ sizes instead of carrying stale full-size values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -62,9 +63,12 @@ def shrunk_config(config_or_class, **overrides):
         raise ShrinkError(f"expected a config class or instance, got {config_or_class!r}")
     if built is not None:
         _add_derived_layer_lists(values, built)
+        _add_derived_rope(values, built)
+        _add_feature_layers(values, built)
         if values.get("image_grid_pinpoints") is None and getattr(built, "image_grid_pinpoints", None):
             values["image_grid_pinpoints"] = [list(p) for p in built.image_grid_pinpoints]  # to rescale, see below
     values = shrink_values(cls, values)
+    _fit_feature_layers(values)
     fix = FIXES.get(getattr(cls, "model_type", ""))
     if fix is not None:
         values = fix(values)
@@ -100,8 +104,20 @@ def field_defaults(cls) -> dict[str, Any]:
             continue
         sub_cls = _sub_config_class(spec, values.get(key))
         if sub_cls is not None:
-            values[key] = {**field_defaults(sub_cls), **dict(spec.init_kwargs), "model_type": sub_cls.model_type}
+            kwargs = {name: _with_field_defaults(value) for name, value in dict(spec.init_kwargs).items()}
+            values[key] = {**field_defaults(sub_cls), **kwargs, "model_type": sub_cls.model_type}
     return values
+
+
+def _with_field_defaults(value):
+    """A sub-config spec's nested config dict (PI0's `vlm_config` spells its Gemma `text_config` as a dict) over its
+    class's field defaults, so the fields it leaves out (Gemma's `head_dim`) are shrunk too, not built at full size."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = value.get("model_type") if isinstance(value, dict) else None
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return value
+    return {**field_defaults(CONFIG_MAPPING[model_type]), **value}
 
 
 def _default_instance(cls):
@@ -127,6 +143,74 @@ def _add_derived_layer_lists(values: dict[str, Any], built) -> None:
             _add_derived_layer_lists(values[key], value)
         elif key not in values and count and count > LAYERS and _is_per_layer(value, count):
             values[key] = list(value)
+
+
+def _add_derived_rope(values: dict[str, Any], built) -> None:
+    """Add the `rope_parameters` `__post_init__` derived, at full size, to each level whose model splits its rotary
+    dimension into multimodal sections (`reads_mrope`) and whose values do not spell the sections.
+
+    Cosmos 3 Edge and HY-V4-VL put their sections there, not in a field default, and GLM-4V-MoE its partial rotary
+    factor: `_add_mrope_sections` and `_fix_rope` need both to size the tiny sections as the config's own
+    validation, and the modeling code's split, demand.
+    """
+    from transformers import PreTrainedConfig
+
+    for key, value in vars(built).items():
+        if isinstance(value, PreTrainedConfig) and isinstance(values.get(key), dict):
+            _add_derived_rope(values[key], value)
+    derived = getattr(built, "rope_parameters", None)
+    rope = values.get("rope_parameters")
+    if not isinstance(derived, dict) or not derived or any(isinstance(v, dict) for v in derived.values()):
+        return
+    if not (rope is None or (isinstance(rope, dict) and "mrope_section" not in rope)):
+        return
+    if "mrope_section" in derived or reads_mrope(type(built)):
+        values["rope_parameters"] = {**derived, **(rope or {})}
+
+
+FEATURE_LAYERS = ("vision_feature_layer", "vision_feature_layers")
+"""Fields of a composite config's sub-configs that index the vision tower's layers (whose features feed the
+projector), not the layers of their own level."""
+
+
+def _feature_layer_levels(values: dict[str, Any]):
+    """This level and its sub-config dicts: where a feature-layer field may sit (Molmo 2: `adapter_config`)."""
+    yield None, values
+    for key, value in values.items():
+        if isinstance(value, dict) and key != "vision_config":
+            yield key, value
+
+
+def _add_feature_layers(values: dict[str, Any], built) -> None:
+    """Add the vision feature layers `__post_init__` derived (Molmo 2's adapter sets `[24, 18]`), so that
+    `_fit_feature_layers` can make them index the tiny tower."""
+    for key, level in _feature_layer_levels(values):
+        source = built if key is None else getattr(built, key, None)
+        for name in FEATURE_LAYERS:
+            value = getattr(source, name, None)
+            if name not in level and (_is_int(value) or isinstance(value, (list, tuple))):
+                level[name] = list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _fit_feature_layers(values: dict[str, Any]) -> None:
+    """Vision feature layers out of the shrunk tower's range made to index it: distinct layers stay distinct (their
+    features are concatenated, so their number sizes the projector), deepest first from the last layer down, and
+    layers already in range are kept (LLaVA's -2)."""
+    vision = values.get("vision_config")
+    count = vision.get("num_hidden_layers") if isinstance(vision, dict) else None
+    if not _is_int(count) or count <= 0:
+        return
+    for _, level in _feature_layer_levels(values):
+        for name in FEATURE_LAYERS:
+            value = level.get(name)
+            layers = [value] if _is_int(value) else value
+            if not isinstance(layers, (list, tuple)) or not all(_is_int(v) for v in layers):
+                continue
+            if all(-count <= v < count for v in layers):
+                continue
+            order = sorted(set(layers), reverse=True)
+            new = {old: max(count - 1 - i, 0) for i, old in enumerate(order)}
+            level[name] = new[value] if _is_int(value) else type(layers)(new[v] for v in layers)
 
 
 def _instance_values(config) -> dict[str, Any]:
@@ -179,6 +263,7 @@ def shrink_values(cls, values: dict[str, Any]) -> dict[str, Any]:
             values[key] = _apply(rule, key, value, before, names)
     _fix_derived(values, names, before)
     _fill_unset_heads(cls, values, names)
+    _add_mrope_sections(cls, values, names)
     _fix_rope(values, names)
     _fix_token_ids(values, names)
     _fix_image(values)
@@ -420,7 +505,7 @@ RULES: list[tuple[re.Pattern, Any]] = [
         (r"^qk_head_dim$", _DERIVED),
         (
             (
-                r"(head_dim|^d_head|^dim_head|^kv_channels|attention_head_size|^mamba_d_head|^mamba_head_dim"
+                r"(head_dim|^d_head|^d_kv$|^dim_head|^kv_channels|attention_head_size|^mamba_d_head|^mamba_head_dim"
                 r"|^mamba_headdim)$"
             ),
             _to(HEAD_DIM),
@@ -457,7 +542,8 @@ RULES: list[tuple[re.Pattern, Any]] = [
             (
                 r"(^|_)(hidden_size|d_model|n_embd|embed_dim|emb_dim|embedding_dim|embedding_size|word_embed_proj_dim"
                 r"|lru_width|attention_hidden_size|hidden_size_global|backbone_hidden_size|input_embedding_size"
-                r"|output_embedding_size|ple_embed_dim|adapter_in_dim|adapter_out_dim|adapter_input_size|projection_dim)$"
+                r"|output_embedding_size|ple_embed_dim|adapter_in_dim|adapter_out_dim|adapter_input_size|projection_dim"
+                r"|output_dim)$"
             ),
             _to(HIDDEN),
         ),
@@ -543,6 +629,7 @@ def _fix_derived(values: dict[str, Any], names: dict[str, str], before: dict[str
         values["qk_head_dim"] = values["qk_nope_head_dim"] + values.get("qk_rope_head_dim", 0)
     if _is_int(before.get("head_dim")) and before.get("head_dim") == before.get("qk_rope_head_dim"):
         values["head_dim"] = values["qk_rope_head_dim"]
+    _fix_widths(values, names, before)
     hidden = next((v for k, v in values.items() if names.get(k, k) == "hidden_size" and _is_int(v)), HIDDEN)
     expand = values.get("mamba_expand", values.get("expand", 2))
     mamba_head = next((values[k] for k in ("mamba_d_head", "mamba_head_dim", "mamba_headdim") if k in values), None)
@@ -553,6 +640,22 @@ def _fix_derived(values: dict[str, Any], names: dict[str, str], before: dict[str
             values[key] = max(1, expand * hidden // mamba_head)
     if _is_int(values.get("mamba_d_ssm")) and _is_int(expand):
         values["mamba_d_ssm"] = expand * hidden
+
+
+def _fix_widths(values: dict[str, Any], names: dict[str, str], before: dict[str, Any]) -> None:
+    """A `*_dim` field no rule shrinks that equalled the level's hidden size at full size follows it down.
+
+    WavTokenizer (Apertus 1.5's audio tokenizer) quantises its hidden states directly, so its config demands
+    `codebook_dim == hidden_size`; the equality at full size is the relation the architecture relies on.
+    """
+    key = next((k for k, v in values.items() if names.get(k, k) == "hidden_size" and _is_int(v)), None)
+    if key is None or not _is_int(before.get(key)):
+        return
+    for name, value in list(values.items()):
+        if not name.endswith("_dim") or rule_for(names.get(name, name)) is not None or not _is_int(value):
+            continue
+        if value == before.get(name) == before[key] != values[key]:
+            values[name] = values[key]
 
 
 def _fill_unset_heads(cls, values: dict[str, Any], names: dict[str, str]) -> None:
@@ -571,12 +674,75 @@ def _fill_unset_heads(cls, values: dict[str, Any], names: dict[str, str]) -> Non
         values["num_key_value_heads"] = values[heads]
 
 
+def _add_mrope_sections(cls, values: dict[str, Any], names: dict[str, str]) -> None:
+    """Give a text config whose model splits its rotary dimension into multimodal sections (`reads_mrope`), and
+    whose flat `rope_parameters` (the field's default or `_add_derived_rope`'s) leave them unset, full-size sections
+    for `_fix_rope` to rescale.
+
+    The modeling code then falls back to a full-size default (`.get("mrope_section", [8, 12, 12])`: GLM-4V,
+    PaddleOCR-VL, Qwen2-VL), which a tiny rotary dimension cannot split, or has none (HunYuanVL's image positions
+    need at least three axes); released checkpoints spell the sections out. The default's proportions are kept
+    (three equal sections without one). Any split summing to the rotary half is one the model is built for, so the
+    tiny model computes what such a checkpoint does. Where the tiny rotary half is too narrow for three sections
+    (Qwen3.5's quarter-width rotation) nothing is added: the model keeps its own fallback, as before.
+    """
+    rope = values.get("rope_parameters")
+    if not isinstance(rope, dict) or not rope or "mrope_section" in rope:  # none: left to the config, see above
+        return
+    if any(isinstance(v, dict) for v in rope.values()) or not reads_mrope(cls):
+        return
+    base = dict(rope)
+    factor = base.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
+    factor = factor if isinstance(factor, (int, float)) and not isinstance(factor, bool) else 1.0
+    if factor != 1.0:  # the dict's own factor is what `_fix_rope` reads
+        base["partial_rotary_factor"] = factor
+    rotary = values.get("qk_rope_head_dim") if _is_int(values.get("qk_rope_head_dim")) else None
+    half = (rotary if rotary is not None else int(_new_head_dim(values, names) * factor)) // 2
+    sections = _modeling_mrope_default(cls) or [1, 1, 1]
+    if half >= len(sections):
+        values["rope_parameters"] = {**base, "mrope_section": list(sections)}
+
+
+def reads_mrope(cls) -> bool:
+    """Whether config class `cls`'s model splits its rotary dimension into multimodal sections: the config lists
+    `mrope_section` among the rope keys it validates itself, or it is no tower's config (the text model's, or a
+    top level) and its modeling module falls back to default sections."""
+    declared = "mrope_section" in (getattr(cls, "ignore_keys_at_rope_validation", None) or ())
+    if declared:
+        return True
+    tower = getattr(cls, "base_config_key", "") not in ("", "text_config")  # a vision or audio tower's own rope
+    return not tower and _modeling_mrope_default(cls) is not None
+
+
+_MROPE_DEFAULT = re.compile(r"\.get\(\s*[\"']mrope_section[\"']\s*,\s*\[([\d\s,]+)\]\s*\)")
+
+
+@functools.cache
+def _modeling_mrope_default(cls) -> tuple[int, ...] | None:
+    """The full-size sections the modeling module next to config class `cls` falls back to, or None."""
+    import importlib
+    import inspect
+
+    name = cls.__module__.replace(".configuration_", ".modeling_")
+    if name == cls.__module__:
+        return None
+    try:
+        source = inspect.getsource(importlib.import_module(name))
+    except Exception:  # noqa: BLE001 - no modeling module (or one that cannot import here): no default known
+        return None
+    found = _MROPE_DEFAULT.search(source)
+    return tuple(int(s) for s in found.group(1).split(",") if s.strip()) if found else None
+
+
 def _fix_rope(values: dict[str, Any], names: dict[str, str]) -> None:
-    """RoPE fields sized by the rotary dimension: `mrope_section`, LongRoPE factors, partial rotary factors."""
+    """RoPE fields sized by the rotary dimension: `mrope_section`, LongRoPE factors, partial rotary factors.
+
+    Multi-head latent attention rotates only `qk_rope_head_dim` of each head (HY-V4-VL's sections split that)."""
     head_dim = _new_head_dim(values, names)
+    rotary = values.get("qk_rope_head_dim") if _is_int(values.get("qk_rope_head_dim")) else None
     for key, value in list(values.items()):
         if isinstance(value, dict) and ("rope" in key or "rope_type" in value):
-            values[key] = _shrink_rope_dict(value, head_dim)
+            values[key] = _shrink_rope_dict(value, head_dim, rotary)
     factor = values.get("partial_rotary_factor")
     if isinstance(factor, float) and int(head_dim * factor) % 2:
         values["partial_rotary_factor"] = 0.5
@@ -591,10 +757,11 @@ def _new_head_dim(values: dict[str, Any], names: dict[str, str]) -> int:
     return max(hidden // max(heads, 1), 2)
 
 
-def _shrink_rope_dict(rope: dict, head_dim: int) -> dict:
-    """One RoPE parameter dict (or a dict of them per layer type) with head-dim-sized fields made to fit."""
+def _shrink_rope_dict(rope: dict, head_dim: int, rotary: int | None = None) -> dict:
+    """One RoPE parameter dict (or a dict of them per layer type) with head-dim-sized fields made to fit;
+    `rotary`: the rotated width where it is not the head dim (MLA's `qk_rope_head_dim`), for the mrope sections."""
     if all(isinstance(v, dict) for v in rope.values()) and rope:
-        return {k: _shrink_rope_dict(v, head_dim) for k, v in rope.items()}
+        return {k: _shrink_rope_dict(v, head_dim, rotary) for k, v in rope.items()}
     rope = dict(rope)
     factor = rope.get("partial_rotary_factor", 1.0)
     if isinstance(factor, (int, float)) and int(head_dim * factor) % 2:
@@ -602,7 +769,7 @@ def _shrink_rope_dict(rope: dict, head_dim: int) -> dict:
     half = max(int(head_dim * (factor if isinstance(factor, (int, float)) else 1.0)) // 2, 1)
     for key in ("mrope_section", "mrope_sections"):
         if isinstance(rope.get(key), (list, tuple)):
-            rope[key] = _split_proportionally(list(rope[key]), half)
+            rope[key] = _split_proportionally(list(rope[key]), half if rotary is None else max(rotary // 2, 1))
     for key in ("short_factor", "long_factor"):
         if isinstance(rope.get(key), (list, tuple)) and len(rope[key]) > half:
             rope[key] = list(rope[key])[:half]
@@ -690,19 +857,25 @@ _DOTS3_SWA = {
 }
 
 
-def _qwen_vl_mrope(values: dict[str, Any]) -> dict[str, Any]:
-    """Qwen2-VL and Qwen2.5-VL split the rotary half-dimension into `mrope_section`, which the default config leaves
-    unset and the modeling code defaults to the full-size [16, 24, 24]: give the tiny head dim its own sections."""
-    text = dict(values.get("text_config") or {})
-    rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1000000.0})
-    head_dim = text.get("hidden_size", HIDDEN) // text.get("num_attention_heads", HEADS)
-    rope.setdefault("mrope_section", _split_proportionally([16, 24, 24], max(head_dim // 2, 3)))
-    return {**values, "text_config": {**text, "rope_parameters": rope}}
+def _apertus1p5(values: dict[str, Any]) -> dict[str, Any]:
+    """Apertus 1.5 reads images and audio as discrete codes inside the text vocabulary: the image codebook's range
+    starts at `image_token_offset` and ends where the audio codebook's begins, and both must fit the vocabulary.
+    Tiny codebooks laid out after the text ids of the tiny vocabulary (the placeholder ids sit at its top)."""
+    codes = VOCAB // 8
+    return {
+        **values,
+        "vision_config": {**values["vision_config"], "codebook_size": codes},
+        "audio_config": {**values["audio_config"], "codebook_size": codes},
+        "image_token_offset": VOCAB // 2,
+        "audio_token_offset": VOCAB // 2 + codes,
+    }
 
 
 FIXES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "qwen2_vl": _qwen_vl_mrope,
-    "qwen2_5_vl": _qwen_vl_mrope,
+    "apertus1p5": _apertus1p5,
+    # the thinker's rope index reads `vision_start_token_id` on every forward, which its config class does not define
+    # (the composite Qwen2.5-Omni config does): ids of the tiny vocabulary below the remapped special ones
+    "qwen2_5_omni_thinker": _set(vision_start_token_id=VOCAB - 8, vision_end_token_id=VOCAB - 9),
     "gpt_neo": _gpt_neo,
     "mamba2": _mamba2,
     # attention layers are listed explicitly, and the default lists none

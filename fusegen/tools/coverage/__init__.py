@@ -12,6 +12,7 @@ The names below are the package's public API (the tests and `fusegen.cli` use th
 
 from fusegen.tools.coverage.analysis import (
     INHERENT_ERROR_NOTES,
+    INHERENT_SKIPS,
     INHERENT_STOPS,
     PARTS,
     fused_kind,
@@ -40,6 +41,7 @@ from fusegen.tools.coverage.workers import run_isolated
 
 __all__ = [
     "INHERENT_ERROR_NOTES",
+    "INHERENT_SKIPS",
     "INHERENT_STOPS",
     "PARTS",
     "ConfigCheck",

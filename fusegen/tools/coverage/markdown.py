@@ -218,9 +218,10 @@ def render_markdown(rows: list[Row], mapping: str = "causal-lm", run: RunInfo | 
         "## Inherent cases, and why",
         "",
         (
-            "Errors and trace stops that no change on our side makes pass: `environment` (a library this environment "
+            "Errors, trace stops and skipped verifications that no change on our side makes pass: `environment` (a library this environment "
             "does not install), `data-dependent forward` (the forward's structure follows tensor values), "
-            "`meta-trace limit` (no input we can build reaches the class on `meta`). Upstream faults of a default "
+            "`meta-trace limit` (no input we can build reaches the class on `meta`), `upstream fault` (the original's "
+            "forward fails on every input, so a fused type stays unverified). Upstream faults of a default "
             "config are worked around in `fusegen/compiler/shrink.py` (`FIXES`); a config the original itself does not "
             "run after its own `from_pretrained` is listed as skipped with `upstream:` in its reason."
         ),

@@ -167,6 +167,8 @@ def _verify_config(tmp: Path, label: str, target, fused_class, config, torch) ->
         input_ids = modal.pop("input_ids")
         modal.pop("attention_mask", None)
         extra = {**extra, **modal}
+    elif "flattened_patches" in modal:  # Pix2Struct reads patches, not token ids (its decoder gets them)
+        extra = {**extra, **modal}
     notes = []
     try:
         expected, kwargs = _reference_logits(original, input_ids, torch, **extra)
