@@ -390,6 +390,38 @@ def test_same_seed_lora_init_on_every_type():
     assert all(count > 0 for count in control.values()), control
 
 
+def test_all_linear_on_deepseek_v3_adapts_what_the_original_adapts_with_its_numbers():
+    """`target_modules="all-linear"` on a v5 MoE type: PEFT resolves the string for the original to the linears' leaf
+    names plus the v4 MoE names (`gate`, `gate_proj`, ...), so the router `mlp.gate` (a custom module, no
+    `nn.Linear`) and the experts get parameter adapters. The fused model adapts the same modules and parameters, with
+    the same initial adapter at one seed and the generator left in the same state; before the fix the fused model
+    left the router out (full module names, no `gate`)."""
+    import copy
+    from types import SimpleNamespace
+
+    from peft import get_peft_model_state_dict
+
+    from fusegen.testkit import tiny_config
+
+    config_class, original_class, fused_class = model_classes("deepseek_v3")
+    config = tiny_config(SimpleNamespace(config_class=config_class, causal_lm=original_class))
+    original, fused = original_class(config), fused_class(config)
+    assert any(
+        not isinstance(layer.mlp.gate, nn.Linear) for layer in original.model.layers if hasattr(layer.mlp, "gate")
+    )
+    adapters, states = [], []
+    for model in (copy.deepcopy(original), copy.deepcopy(fused)):
+        torch.manual_seed(5)
+        adapted = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+        adapters.append({k: v.clone() for k, v in get_peft_model_state_dict(adapted).items()})
+        states.append(torch.get_rng_state())
+    expected, actual = adapters
+    assert any(".mlp.gate." in key for key in expected)  # the router is adapted on the original
+    assert sorted(actual) == sorted(expected)
+    assert [k for k in expected if not torch.equal(actual[k], expected[k])] == []
+    assert torch.equal(states[0], states[1])
+
+
 def _causal_lm_types():
     """The model types of the generated files built around a causal LM (they register it)."""
     from pathlib import Path

@@ -172,6 +172,31 @@ def test_a_checkpoint_without_any_piece_reports_the_merged_parameter_missing_as_
         )
 
 
+def test_missing_merged_parameters_are_named_as_transformers_names_its_own_merged_parameters(tmp_path):
+    """Why a merged parameter none of whose pieces is in the checkpoint is listed under the MODEL's name, not the
+    canonical piece names (docs/loading.md): Transformers does exactly that for the parameters it merges itself.
+    Mixtral's v5 model stacks the v4 experts (`block_sparse_moe.experts.N.w1/w3`) into `mlp.experts.gate_up_proj`;
+    a checkpoint saved in the v4 layout without layer 0's experts is reported as missing `...experts.gate_up_proj`
+    and `...experts.down_proj`, names only the loaded model has. A fused model's `state_dict()` holds its merged
+    names too, and Transformers' common test `test_model_weights_reload_no_missing_tied_weights` requires every
+    missing key to be one of them; the fused class follows the same rule for `qkv_proj` / `gate_up_proj`."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+    )  # fmt: skip
+    MixtralForCausalLM(config).save_pretrained(tmp_path, save_original_format=True)
+    state = load_file(tmp_path / "model.safetensors")
+    dropped = [name for name in state if name.startswith("model.layers.0.block_sparse_moe.experts.")]
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in dropped  # the v4 (canonical) layout
+    save_file({k: v for k, v in state.items() if k not in dropped}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    model, info = MixtralForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    assert info["missing_keys"] <= set(model.state_dict())
+
+
 def test_errors_name_the_class_called_the_file_and_the_tensor_without_a_traceback(checkpoint):
     path, _ = checkpoint(LlamaForCausalLM, small_config(LlamaConfig, num_key_value_heads=2))
     without(path, "model.layers.1.self_attn.k_proj.weight")

@@ -227,6 +227,46 @@ def _check_regex(pattern: str, merged: Mapping[str, Merged], option: str) -> Non
             )
 
 
+def _resolve_all_linear(config, model: nn.Module):
+    """`"all-linear"` resolved as PEFT resolves it for the ORIGINAL model, so that the same modules get adapters.
+
+    PEFT's rule is every `nn.Linear` but the output layer, plus one exception: on Transformers 5, for a model type
+    whose MoE layers changed from v4 (its `_MOE_TARGET_MODULE_MAPPING`, applied only when the type also has
+    `_MOE_FUSED_TARGETS`), PEFT resolves the string to the LEAF names of the linears plus the v4 names of the MoE
+    projections and the router (`gate`, `gate_proj`, `up_proj`, `down_proj`), which it then maps to the v5
+    parameters (`gate.weight`, `experts.gate_up_proj`, ...) in `convert_peft_config_for_transformers`. The router
+    (`DeepseekV3TopkRouter`) is no `nn.Linear`, so only that name list adapts it. fusegen must rewrite the string
+    before PEFT sees it (to expand merged names), so it follows the same branch here with PEFT's own function; the
+    leaf names of merged linears are then expanded to their pieces by the caller, as the original's leaf names are
+    its pieces. Without that branch the fused model gets full module names, no `gate`, and no router adapter."""
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+
+    moe = _peft_moe_mapping(model)
+    if moe is not None:
+        from peft.utils.transformers_weight_conversion import _resolve_string_target_modules
+
+        return _resolve_string_target_modules(copy.copy(config), model, moe)
+    return _maybe_include_all_linear_layers(copy.copy(config), model).target_modules
+
+
+def _peft_moe_mapping(model: nn.Module) -> dict[str, str] | None:
+    """PEFT's v4-to-v5 MoE target mapping for this model's type, where PEFT applies it (see `_resolve_all_linear`);
+    None where it does not, or where this PEFT has no such conversion."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    try:
+        from peft.import_utils import is_transformers_ge_v5
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:
+        return None
+    if not is_transformers_ge_v5 or model_type is None:
+        return None
+    base = getattr(conversion, "_MODEL_TO_CONVERSION_PATTERN", {}).get(model_type)
+    mapping = getattr(conversion, "_MOE_TARGET_MODULE_MAPPING", {}).get(base)
+    if not mapping or not getattr(conversion, "_MOE_FUSED_TARGETS", {}).get(base):
+        return None
+    return mapping
+
+
 def canonicalise_config(config, model: nn.Module, merged: Mapping[str, Merged] | None = None) -> None:
     """Rewrite a LoRA config's fused names to canonical ones, in place (what PEFT saves is then canonical).
 
@@ -239,9 +279,7 @@ def canonicalise_config(config, model: nn.Module, merged: Mapping[str, Merged] |
         return
     targets = config.target_modules
     if isinstance(targets, str) and targets.lower() == "all-linear":
-        from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
-
-        targets = _maybe_include_all_linear_layers(copy.copy(config), model).target_modules
+        targets = _resolve_all_linear(config, model)
     if isinstance(targets, str):
         _check_regex(targets, merged, "target_modules")
     elif targets is not None:
