@@ -85,7 +85,7 @@ def test_audio_tokens_match_the_audio_embeddings():
 
 def test_pop2piano_gets_token_ids_alone_when_it_refuses_both():
     # its `input_features` are the encoder's input embeddings: with token ids it refuses them
-    original, inputs = _original_and_inputs("pop2piano", "speech-seq2seq")
+    _, inputs = _original_and_inputs("pop2piano", "speech-seq2seq")
     assert "input_ids" in inputs and "input_features" not in inputs and "decoder_input_ids" in inputs
 
 
