@@ -125,3 +125,15 @@ def test_the_train_step_draws_numpy_augmentation_the_same_for_both_models():
     second, _ = _train_step(model, ids, checkpointing=False)
     assert torch.equal(first, second)
     assert np.array_equal(np.random.get_state()[1], before)  # the caller's generator is left as it was
+
+
+def test_the_meta_trace_records_the_audio_tower_on_audio_features():
+    # the trace used to run token ids alone, so Parakeet's encoder attention was traced with synthetic inputs
+    from fusegen.compiler.trace import record_inputs
+
+    target = resolve("canary", "speech-seq2seq")
+    with torch.device("meta"):
+        model = target.causal_lm(target.config_class())
+    attention = next(m for m in model.modules() if type(m).__name__ == "ParakeetEncoderAttention")
+    recorded = record_inputs(model, [attention])
+    assert id(attention) in recorded

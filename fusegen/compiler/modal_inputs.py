@@ -440,3 +440,38 @@ def meta_image_inputs(model: nn.Module, batch: int = 2) -> dict:
     except Exception:  # noqa: BLE001 - a config that does not spell its vision sizes as expected: no images
         return {}
     return {key: value.to("meta") if value.is_floating_point() else value for key, value in images.items()}
+
+
+def meta_signal_batches(model: nn.Module, length: int = 5) -> list[dict]:
+    """Batches for recording a meta forward (`fusegen.compiler.trace`) of a model that reads audio or video, one
+    per layout `forward_inputs` would try (`audio_feature_options`; a waveform; a video), floats on `meta` and
+    integer masks real; token ids (and decoder tokens for an encoder-decoder) as zeros on `meta` where the forward
+    takes them. [] for a forward that reads none of these or a config that does not say how to make them."""
+    parameters = forward_parameters(model)
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    generator = torch.Generator().manual_seed(0)
+    tokens = {}
+    if "input_ids" in parameters:
+        tokens["input_ids"] = torch.zeros(2, length, dtype=torch.long, device="meta")
+    if "decoder_input_ids" in parameters and getattr(config, "is_encoder_decoder", False):
+        tokens["decoder_input_ids"] = torch.zeros(2, length, dtype=torch.long, device="meta")
+    try:
+        if "input_features" in parameters:
+            batches = []
+            for features, frames in audio_feature_options(config, 2, generator):
+                batch = {**tokens, "input_features": features.to("meta")}
+                batch.update(
+                    {name: torch.ones(2, frames, dtype=torch.long) for name in AUDIO_KEYS[1:] if name in parameters}
+                )
+                batches.append(batch)
+            return batches
+        if "input_values" in parameters and "input_ids" not in parameters:
+            return [{**tokens, "input_values": waveform(config, 2, generator).to("meta")}]
+        if "pixel_values_videos" in parameters and "pixel_values" not in parameters:
+            videos = video_inputs(model, config, 2, generator)
+            return [{**tokens, **{key: value.to("meta") for key, value in videos.items()}}] if videos else []
+    except Exception:  # noqa: BLE001 - a config that does not spell its sizes as expected: tokens alone
+        return []
+    return []
