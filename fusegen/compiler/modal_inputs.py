@@ -137,6 +137,25 @@ def with_audio(model: nn.Module, config, batch: dict, features: torch.Tensor, fr
     return {**found, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
 
+def with_waveform(model: nn.Module, config, batch: dict, values: torch.Tensor) -> dict:
+    """`batch` with the waveform `values` as `input_values` (`(batch, samples)`, else `(batch, 1, samples)`, whichever
+    the audio path reads) and its audio tokens placed (`with_audio_tokens`; VibeVoice-ASR). A forward that draws noise into the audio latents unless told not to (a boolean `sample`
+    parameter, VibeVoice's sigma-VAE) gets `sample=False`: the two models' draws could not be compared. `batch`
+    unchanged when the tokens cannot be placed."""
+    found = {**batch, "input_values": values}
+    parameter = inspect.signature(type(model).forward).parameters.get("sample")
+    if parameter is not None and isinstance(parameter.default, bool):
+        found["sample"] = False
+    if "input_ids" not in found:
+        return found
+    for layout in (values, values[:, None]):  # mono samples, or with their channel axis (VibeVoice's tokenizers)
+        found["input_values"] = layout
+        input_ids = with_audio_tokens(model, config, found, ("input_values", "sample"))
+        if input_ids is not None:
+            return {**found, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    return batch
+
+
 def audio_token_id(config) -> int | None:
     """The id a processor writes for each audio embedding (`audio_token_id`, older `audio_token_index`)."""
     for name in ("audio_token_id", "audio_token_index"):
@@ -146,14 +165,14 @@ def audio_token_id(config) -> int | None:
     return None
 
 
-def with_audio_tokens(model: nn.Module, config, batch: dict) -> torch.Tensor | None:
+def with_audio_tokens(model: nn.Module, config, batch: dict, keys=AUDIO_KEYS) -> torch.Tensor | None:
     """`batch["input_ids"]` with each sequence's audio tokens inserted after `PREFIX` text tokens: as many as the
     audio path (`get_audio_features`, asked of the model itself) yields embeddings per sequence. None when the model
     has no such method, it fails on the batch, or its embeddings do not split evenly over the sequences."""
     method = getattr(model, "get_audio_features", None)
     if method is None:
         return None
-    given = {key: value for key, value in batch.items() if key in AUDIO_KEYS}
+    given = {key: value for key, value in batch.items() if key in keys}
     try:  # the audio inputs the forward takes (a head's method often forwards `**kwargs` to its model's)
         with torch.no_grad():
             output = method(**given)
@@ -192,6 +211,8 @@ def _forward_inputs(model: nn.Module, config, input_ids: torch.Tensor, seed: int
         inputs = with_audio(model, config, inputs, features, frames) or {**inputs, "input_features": features}
     elif "input_values" in parameters and "input_ids" not in parameters:  # a raw waveform (SpeechT5, Moonshine)
         inputs["input_values"] = waveform(config, input_ids.shape[0], generator)
+    elif "input_values" in parameters and audio_token_id(config) is not None:  # a waveform at audio tokens
+        inputs = with_waveform(model, config, inputs, waveform(config, input_ids.shape[0], generator))
     if "decoder_input_ids" in parameters and getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = input_ids if "input_ids" not in inputs else input_ids.flip(-1)
         if "input_ids" not in parameters:
@@ -412,15 +433,18 @@ def per_token_features(model: nn.Module, inputs: dict, generator: torch.Generato
     return torch.randn(*features.shape[:2], frames, generator=generator)
 
 
+WAVEFORM_STRIDES = ("conv_stride", "downsampling_ratios")
+"""Config fields listing a waveform encoder's strides (wav2vec2-style feature encoders; VibeVoice's tokenizers)."""
+
 WAVEFORM_FRAMES = 16
 """Frames a raw waveform is cut into by the feature encoder's convolutions (`waveform`)."""
 
 
 def waveform(config, batch: int, generator: torch.Generator) -> torch.Tensor:
     """A raw waveform `(batch, samples)`: `WAVEFORM_FRAMES` times the product of the feature encoder's strides
-    (`conv_stride`, SpeechT5's 320), else 4000 samples (a quarter second at 16 kHz; Moonshine's convolutions, of
+    (`WAVEFORM_STRIDES`: SpeechT5's 320, VibeVoice's 3200), else 4000 samples (a quarter second at 16 kHz; Moonshine's convolutions, of
     stride 64 x 3 x 2, bring it down to 9 frames)."""
-    found = (getattr(level, "conv_stride", None) for level in _config_levels(config))
+    found = (getattr(level, name, None) for name in WAVEFORM_STRIDES for level in _config_levels(config))
     strides = next((each for each in found if each), None)
     if isinstance(strides, (list, tuple)) and strides and all(isinstance(s, int) for s in strides):
         samples = WAVEFORM_FRAMES * math.prod(strides)

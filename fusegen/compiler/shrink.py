@@ -748,6 +748,8 @@ FIXES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "fun_asr_nano": _fun_asr_nano,
     # the default leaves the audio placeholder unset (released checkpoints set it): without it no audio is read
     "voxtral": _set(audio_token_id=VOCAB - 1),
+    # the decoder reads `num_key_value_heads`, which the config class never defines (its encoder's default is MHA)
+    "moonshine_streaming": _set(num_key_value_heads=HEADS),
     # attention layers are listed explicitly, and the default lists none
     "bamba": _set(attn_layer_indices=[1]),
     # a repeating block pattern, not one entry per layer: keep one recurrent block and the attention block

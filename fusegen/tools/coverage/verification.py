@@ -184,7 +184,7 @@ def _verify_config(tmp: Path, label: str, target, fused_class, config, torch) ->
     if extra:
         notes.append(f"given {', '.join(sorted(extra))}")
     try:
-        with _executed(fused, set(merging_classes(fused).values())) as ran:
+        with _executed(fused, generated_classes(fused)) as ran:
             actual = _logits(fused, input_ids, torch, **extra, **kwargs)
     except Exception as error:  # noqa: BLE001
         upstream = _loaded_original_fails(target, checkpoint, input_ids, torch, **extra, **kwargs)
@@ -226,6 +226,19 @@ def import_causal_lm(tmp: Path, model_type: str, text: str, original_name: str) 
     if name not in getattr(module, "__all__", ()):
         raise LookupError(f"the generated module does not export {name}")
     return getattr(module, name)
+
+
+def generated_classes(fused) -> set[str]:
+    """The names of every class the generated module defines (a merged linear's holder, a rewritten norm, and the
+    classes that build them): each instance of them must run on the inputs for the type to count as verified."""
+    from fusegen.compiler.propagate import PREFIX
+
+    module = sys.modules[type(fused).__module__]
+    return {
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, type) and name.startswith(PREFIX) and value.__module__ == module.__name__
+    }
 
 
 def merging_classes(fused) -> dict[str, str]:
