@@ -52,6 +52,8 @@ SLOW_CASES = [
     ("qwen3_asr", "speech-seq2seq", "input_features", (2, 128, 100)),  # whole chunks of 2 * n_window frames
     ("videoprism", "dual-encoder", "pixel_values_videos", (2, 2, 3, 72, 72)),
     ("align", "dual-encoder", "pixel_values", (2, 3, 64, 64)),
+    ("moonshine_streaming", "speech-seq2seq", "input_values", (2, 4000)),  # its tiny config sets the kv heads
+    ("vibevoice_asr", "speech-seq2seq", "input_values", (2, 1, 16 * 3200)),  # at audio tokens, channel axis
 ]
 
 
@@ -137,3 +139,52 @@ def test_the_meta_trace_records_the_audio_tower_on_audio_features():
     attention = next(m for m in model.modules() if type(m).__name__ == "ParakeetEncoderAttention")
     recorded = record_inputs(model, [attention])
     assert id(attention) in recorded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("target", "given"),
+    [
+        ("whisper:speech-seq2seq", "given decoder_input_ids, input_features"),
+        ("siglip2:dual-encoder", "given pixel_attention_mask, pixel_values, spatial_shapes"),
+    ],
+)
+def test_the_coverage_tool_compares_models_whose_forward_reads_no_token_ids_alone(target, given):
+    # whisper's forward takes no input_ids: its batch used to be dropped, and the check skipped as text-only
+    from fusegen.compiler.build import build
+    from fusegen.tools import coverage
+
+    model_type, _, mapping = target.partition(":")
+    text = build(target).text
+    [(_, result)] = list(coverage.run_isolated([(target, coverage.verify, (model_type, text, 0, mapping))], 1, 900))
+    assert result["status"] == "verified", result["reason"]
+    assert given in result["reason"]
+
+
+def test_a_generated_class_that_never_runs_fails_the_coverage_check():
+    # VibeVoice's acoustic-tokenizer decoder only runs in generation: a forward cannot verify its fused norm
+    from fusegen.compiler.validate import executed
+
+    class Used(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    class Idle(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.idle = Used(), Idle()
+
+        def forward(self, x):
+            return self.used(x)
+
+    with executed(Model(), {"Used", "Idle"}) as ran:
+        Model()(torch.ones(1))  # another instance: nothing recorded
+    assert ran == {"Used": False, "Idle": False}
+    model = Model()
+    with executed(model, {"Used", "Idle"}) as ran:
+        model(torch.ones(1))
+    assert ran == {"Used": True, "Idle": False}
