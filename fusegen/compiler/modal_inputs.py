@@ -55,10 +55,10 @@ def forward_inputs(model: nn.Module, config, input_ids: torch.Tensor, seed: int 
     embeddings) gets the token ids alone when it refuses both. Whatever batch is taken, both models see it, and
     validation separately fails a fused class the batch never runs (`fusegen.compiler.validate._never_executed`).
     """
-    candidates = _candidates(model, config, input_ids, seed)
-    inputs = candidates[0]
-    if len(candidates) > 1:  # the first batch the original runs on; none: the first, whose failure is then reported
-        inputs = next((each for each in candidates if _runs(model, each)), inputs)
+    first, others = _candidates(model, config, input_ids, seed)
+    inputs = first
+    if others and not _runs(model, first):  # the first batch the original runs on; none: the first (its failure)
+        inputs = next((each for each in _made(others) if _runs(model, each)), first)
     states = encoder_states(model, config, input_ids, seed)
     if states is not None and _runs(model, {**inputs, "encoder_hidden_states": states}):
         inputs["encoder_hidden_states"] = states
@@ -92,12 +92,23 @@ def encoder_states(model: nn.Module, config, input_ids: torch.Tensor, seed: int)
     return torch.randn(*shape, generator=generator).to(dtype)
 
 
-def _candidates(model: nn.Module, config, input_ids: torch.Tensor, seed: int) -> list[dict]:
-    """The batches `forward_inputs` may send, the likeliest first (see there)."""
+def _made(makers):
+    """The batches `makers` build, in order, skipping one whose building fails (`image_sizes` left out of a model
+    whose `get_image_features` requires it: no such batch)."""
+    for make in makers:
+        try:
+            yield make()
+        except Exception:  # noqa: BLE001, S112 - this layout does not apply to the model
+            continue
+
+
+def _candidates(model: nn.Module, config, input_ids: torch.Tensor, seed: int) -> tuple[dict, list]:
+    """The batch `forward_inputs` sends first, and the makers of the others to try if the original fails on it, the
+    likeliest first (see there). Built only when tried: each may run the model's audio or image path."""
     first = _forward_inputs(model, config, input_ids, seed)
-    candidates = [first]
+    others = []
     if "image_sizes" in first:
-        candidates.append(_forward_inputs(model, config, input_ids, seed, image_sizes=False))
+        others.append(lambda: _forward_inputs(model, config, input_ids, seed, image_sizes=False))
     if "input_features" in first:
         text = {key: value for key, value in first.items() if key not in AUDIO_KEYS}
         text.update(
@@ -105,14 +116,19 @@ def _candidates(model: nn.Module, config, input_ids: torch.Tensor, seed: int) ->
         )
         generator = torch.Generator().manual_seed(seed + 11)
         options = audio_feature_options(config, input_ids.shape[0], generator)
-        batches = [with_audio(model, config, text, *option) for option in options[1:]]
-        candidates += [batch for batch in batches if batch is not None]
         per_token = per_token_features(model, first, generator)
         if per_token is not None:
-            candidates.insert(1, {**first, "input_features": per_token})
+            others.append(lambda: {**first, "input_features": per_token})
+        others += [lambda option=option: _required(with_audio(model, config, text, *option)) for option in options[1:]]
         if "input_ids" in first:  # token ids alone, for a forward that takes both for one encoder (Pop2Piano)
-            candidates.append(text)
-    return candidates
+            others.append(lambda: text)
+    return first, others
+
+
+def _required(batch: dict | None) -> dict:
+    if batch is None:
+        raise ValueError("the audio placeholders cannot be placed for this layout")
+    return batch
 
 
 AUDIO_KEYS = ("input_features", "input_features_mask", "feature_attention_mask")
