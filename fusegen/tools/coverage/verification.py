@@ -229,16 +229,25 @@ def import_causal_lm(tmp: Path, model_type: str, text: str, original_name: str) 
 
 
 def generated_classes(fused) -> set[str]:
-    """The names of every class the generated module defines (a merged linear's holder, a rewritten norm, and the
-    classes that build them): each instance of them must run on the inputs for the type to count as verified."""
+    """The names of the generated classes that hold a fusion of their own: a merged linear (`MergedColumnLinear(`
+    in their source) or a rewritten norm (`rms_norm(`). Each must run on the inputs for the type to count as
+    verified. Classes that only build fused children are left out: a wrapper whose forward its parent bypasses
+    (TrOCR's decoder wrapper) runs nothing of its own, and its children are checked themselves."""
+    import inspect
+
     from fusegen.compiler.propagate import PREFIX
 
     module = sys.modules[type(fused).__module__]
-    return {
-        name
-        for name, value in vars(module).items()
-        if isinstance(value, type) and name.startswith(PREFIX) and value.__module__ == module.__name__
-    }
+    found = set()
+    for name, value in vars(module).items():
+        if isinstance(value, type) and name.startswith(PREFIX) and value.__module__ == module.__name__:
+            try:
+                source = inspect.getsource(value)
+            except (OSError, TypeError):
+                continue
+            if "MergedColumnLinear(" in source or "rms_norm(" in source:
+                found.add(name)
+    return found
 
 
 def merging_classes(fused) -> dict[str, str]:
