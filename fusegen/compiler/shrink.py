@@ -290,6 +290,13 @@ def _fix_image(values: dict[str, Any]) -> None:
         values["image_size"] = patch * IMAGE_PATCHES
     elif _is_int(patch) and isinstance(size, (list, tuple)) and all(_is_int(s) for s in size):
         values["image_size"] = [patch * IMAGE_PATCHES] * len(size)
+    tubelet = values.get("tubelet_size")
+    if patch is None and isinstance(tubelet, (list, tuple)) and len(tubelet) == 3 and all(map(_is_int, tubelet)):
+        # a video tower's (frames, height, width) patch (VideoPrism): IMAGE_PATCHES a side, two tubelets of frames
+        if _is_int(size):
+            values["image_size"] = tubelet[1] * IMAGE_PATCHES
+        if _is_int(values.get("num_frames")):
+            values["num_frames"] = tubelet[0] * 2
     if _is_int(values.get("mm_tokens_per_image")):
         values["mm_tokens_per_image"] = (IMAGE_PATCHES // 2) ** 2
 
@@ -554,6 +561,11 @@ RULES: list[tuple[re.Pattern, Any]] = [
         (r"^mamba_d_ssm$", _DERIVED),
         (r"^(time_step_rank|mamba_dt_rank)$", _to(8)),
         (r"^(mamba_n_groups|mamba_ngroups|n_groups)$", _to(1)),
+        # convolutional audio codecs (VibeVoice's tokenizers, EnCodec, Mimi): the base channel count, doubled at each
+        # downsampling stage, and the blocks per stage (7 stages of up to 8 blocks reach 2048 channels and 343M
+        # parameters per tokenizer at the defaults, which no tiny check can afford)
+        (r"^num_filters$", _to(4)),
+        (r"^depths$", _to(2)),
         # audio frames an encoder reads (Whisper's input is twice as many mel frames)
         (r"^max_source_positions$", _to(16)),
         # vocabularies and windows
@@ -828,6 +840,33 @@ def _set(**fixed) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return lambda values: {**values, **fixed}
 
 
+def _align(values: dict[str, Any]) -> dict[str, Any]:
+    """ALIGN compares the text projection with the EfficientNet tower's pooled output, which is not projected: its
+    width, the last block's `out_channels` times `width_coefficient` rounded to `depth_divisor` (as the tower's
+    `round_filters` does), must be `projection_dim`. And a 64-pixel image (the tower's strides divide it by 32)
+    rather than the default 600."""
+    from transformers import AlignVisionConfig
+
+    vision = {
+        **{k: getattr(AlignVisionConfig(), k) for k in ("out_channels", "width_coefficient", "depth_divisor")},
+        **values.get("vision_config", {}),
+    }
+    divisor, channels = vision["depth_divisor"], vision["out_channels"][-1] * vision["width_coefficient"]
+    width = max(divisor, int(channels + divisor / 2) // divisor * divisor)
+    width += divisor if width < 0.9 * channels else 0
+    return {
+        **values,
+        "projection_dim": int(width),
+        "vision_config": {**values.get("vision_config", {}), "image_size": 64},
+    }
+
+
+def _fun_asr_nano(values: dict[str, Any]) -> dict[str, Any]:
+    """Fun-ASR-Nano's config requires `adaptor_config.intermediate_size == text_config.hidden_size // 4`."""
+    adaptor = {**values.get("adaptor_config", {}), "intermediate_size": values["text_config"]["hidden_size"] // 4}
+    return {**values, "adaptor_config": adaptor}
+
+
 def _mamba2(values: dict[str, Any]) -> dict[str, Any]:
     """Mamba-2 requires `num_heads * head_dim == expand * hidden_size`."""
     values["num_heads"] = values.get("expand", 2) * values["hidden_size"] // values["head_dim"]
@@ -878,6 +917,12 @@ FIXES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen2_5_omni_thinker": _set(vision_start_token_id=VOCAB - 8, vision_end_token_id=VOCAB - 9),
     "gpt_neo": _gpt_neo,
     "mamba2": _mamba2,
+    "align": _align,
+    "fun_asr_nano": _fun_asr_nano,
+    # the default leaves the audio placeholder unset (released checkpoints set it): without it no audio is read
+    "voxtral": _set(audio_token_id=VOCAB - 1),
+    # the decoder reads `num_key_value_heads`, which the config class never defines (its encoder's default is MHA)
+    "moonshine_streaming": _set(num_key_value_heads=HEADS),
     # attention layers are listed explicitly, and the default lists none
     "bamba": _set(attn_layer_indices=[1]),
     # a repeating block pattern, not one entry per layer: keep one recurrent block and the attention block

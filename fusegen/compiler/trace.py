@@ -28,7 +28,7 @@ import torch.utils._pytree
 from torch import fx, nn
 
 from fusegen.compiler.inputs import extra_inputs
-from fusegen.compiler.modal_inputs import meta_image_inputs
+from fusegen.compiler.modal_inputs import meta_image_inputs, meta_signal_batches
 from fusegen.core.traced import Trace
 
 UNKNOWN = object()
@@ -361,12 +361,13 @@ def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -
     were hit). Modes and configs are restored afterwards.
     """
     recorded: dict[int, Recorded] = {}
+    sink = [recorded]  # where the hook records: a scratch dict while `_record_signals` tries a layout
 
     def hook(module, args, kwargs):
-        if id(module) not in recorded:
+        if id(module) not in sink[0] and id(module) not in recorded:
             snapshot = _snapshot((args, dict(kwargs)))
             if snapshot is not None:
-                recorded[id(module)] = snapshot
+                sink[0][id(module)] = snapshot
 
     handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in modules]
     modes = {module: module.training for module in model.modules()}
@@ -375,6 +376,8 @@ def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -
         for config, _ in experts:
             config._experts_implementation = "batched_mm"
         model.eval()
+        recorded.update(_record_signals(model, sink))
+        sink[0] = recorded
         for root in _roots(model):
             for options in _RUN_OPTIONS:
                 if all(id(module) in recorded for module in modules) or _run(root, length, **options):
@@ -387,6 +390,28 @@ def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -
         for config, implementation in experts:
             config._experts_implementation = implementation
     return recorded
+
+
+def _record_signals(model: nn.Module, sink: list) -> dict[int, Recorded]:
+    """The calls recorded while `model` runs on meta audio or video (`fusegen.compiler.modal_inputs.
+    meta_signal_batches`), so an audio tower's classes record the inputs they really get.
+
+    Each layout is recorded apart (into `sink[0]`): the first batch whose forward runs to the end gives the calls;
+    if none does (placing audio among meta tokens fails after the tower ran), the batch that reached the most
+    modules, for a layout the model does not read fails at its first layer. Nothing for a model that reads neither.
+    """
+    best: dict[int, Recorded] = {}
+    for batch in meta_signal_batches(model):
+        for options in _RUN_OPTIONS:
+            sink[0] = scratch = {}
+            try:
+                with torch.no_grad():
+                    model(**batch, **options)
+            except Exception:  # noqa: BLE001 - upstream code on meta may fail part-way; what was recorded is right
+                best = scratch if len(scratch) > len(best) else best
+                continue
+            return scratch
+    return best
 
 
 def _roots(model: nn.Module) -> list[nn.Module]:

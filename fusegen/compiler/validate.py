@@ -28,15 +28,18 @@ A config the ORIGINAL cannot build or run is skipped and recorded, never counted
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import linecache
 import math
+import random
 import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -279,7 +282,7 @@ def _compare_in(dtype, check: Check, original_class, fused_class, config, mappin
         _check_finite(expected[0], step, dtype)
         if fused is None:
             fused = _fused_copy(original, fused_class, config, mapping, merging, dtype)
-        with _executed(fused, merging) as ran:
+        with executed(fused, merging) as ran:
             actual = _run(_WHERE[step], _step, step, fused, input_ids, expected[2])
         _never_executed(ran, step)
         tolerance = AUTOCAST_GRAD_TOLERANCE if step.endswith("-autocast") else GRAD_TOLERANCE
@@ -394,6 +397,10 @@ def _eval_logits(model, input_ids, kwargs: dict | None = None) -> tuple:
 def _train_step(model, input_ids, checkpointing: bool):
     """Logits and `{parameter name: gradient}` of one train-mode step, dropout seeded the same for every model.
 
+    Seeded the same too: NumPy's and Python's generators, which train-mode augmentation draws from (SpeechT5's and
+    wav2vec2-style SpecAugment pick the masked frames with `np.random`), restored afterwards. Without it, the
+    original and the fused model mask different frames and differ by far more than any tolerance.
+
     The loss is the logits against a fixed random cotangent, so every logit contributes a gradient and no label
     handling (which some models lack) is involved.
     """
@@ -402,7 +409,7 @@ def _train_step(model, input_ids, checkpointing: bool):
     if checkpointing:
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _seeded_host_rngs(SEED + 2):
             torch.manual_seed(SEED + 2)
             output = _call(model, input_ids, use_cache=False)
         values = logits_of(output).double()
@@ -417,6 +424,19 @@ def _train_step(model, input_ids, checkpointing: bool):
         for name, p in model.named_parameters(remove_duplicate=False)
     }
     return values.detach(), grads
+
+
+@contextlib.contextmanager
+def _seeded_host_rngs(seed: int):
+    """NumPy's and Python's global generators seeded with `seed` in the block, their states restored after it."""
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    np.random.seed(seed)
+    random.seed(seed)
+    try:
+        yield
+    finally:
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
 
 
 def _inputs(original, config, input_ids: torch.Tensor):
@@ -447,7 +467,7 @@ def _image_features(model, inputs):
     return torch.cat([tensor.reshape(-1) for tensor in flat]).double()
 
 
-class _executed:
+class executed:
     """Record which merging fused classes (`merging_classes`) run in the block: `ran[name]` is True once an
     instance ran, False while none has (classes the model does not build are absent)."""
 

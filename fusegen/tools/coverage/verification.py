@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fusegen.compiler.inputs import SEED
 from fusegen.compiler.modal_inputs import forward_inputs
+from fusegen.compiler.validate import executed as _executed
 from fusegen.errors import first_line as _first_line
 from fusegen.errors import short_error as _short
 from fusegen.testkit import (  # the one kit (fusegen/testkit.py)
@@ -169,6 +170,8 @@ def _verify_config(tmp: Path, label: str, target, fused_class, config, torch) ->
         extra = {**extra, **modal}
     elif "flattened_patches" in modal:  # Pix2Struct reads patches, not token ids (its decoder gets them)
         extra = {**extra, **modal}
+    elif modal:  # a forward that reads no token ids (speech, video): the batch is all it takes
+        input_ids, extra = None, {**extra, **modal}
     notes = []
     try:
         expected, kwargs = _reference_logits(original, input_ids, torch, **extra)
@@ -183,12 +186,16 @@ def _verify_config(tmp: Path, label: str, target, fused_class, config, torch) ->
     if extra:
         notes.append(f"given {', '.join(sorted(extra))}")
     try:
-        actual = _logits(fused, input_ids, torch, **extra, **kwargs)
+        with _executed(fused, generated_classes(fused)) as ran:
+            actual = _logits(fused, input_ids, torch, **extra, **kwargs)
     except Exception as error:  # noqa: BLE001
         upstream = _loaded_original_fails(target, checkpoint, input_ids, torch, **extra, **kwargs)
         if upstream is not None:
             return ConfigCheck(label, "skipped", reason=upstream)
         return ConfigCheck(label, "failed", reason=f"fused forward: {_short(error)}")
+    idle = sorted(name for name, done in ran.items() if not done)
+    if idle:  # its merged linear may be wrong and the logits could not show it
+        return ConfigCheck(label, "failed", reason=f"{', '.join(idle)} fused but never executed on the inputs")
     if expected.shape != actual.shape:
         return ConfigCheck(label, "mismatch", reason=f"logits shape {tuple(actual.shape)} != {tuple(expected.shape)}")
     diff = (expected - actual).abs().max().item()
@@ -204,7 +211,11 @@ def _verify_config(tmp: Path, label: str, target, fused_class, config, torch) ->
                 f"compared with the original as its own from_pretrained loads it: the original does not reproduce "
                 f"its saved outputs (max abs logit diff {drift:.3g})"
             )
-    greedy = compare_greedy(original, fused, input_ids[:rows, : LENGTH // 2], torch)
+    if input_ids is None:  # generation from the encoder's inputs alone, the decoder starting from its start token
+        given = {key: value for key, value in extra.items() if not key.startswith("decoder_")}
+        greedy = compare_greedy(original, fused, None, torch, **given)
+    else:
+        greedy = compare_greedy(original, fused, input_ids[:rows, : LENGTH // 2], torch)
     if diff > bound:
         return ConfigCheck(label, "mismatch", diff, greedy, f"max abs logit diff {diff:.3g} > {bound:.3g}")
     if greedy == "differ" or greedy.startswith("fused generate fails"):
@@ -226,6 +237,28 @@ def import_causal_lm(tmp: Path, model_type: str, text: str, original_name: str) 
     if name not in getattr(module, "__all__", ()):
         raise LookupError(f"the generated module does not export {name}")
     return getattr(module, name)
+
+
+def generated_classes(fused) -> set[str]:
+    """The names of the generated classes that hold a fusion of their own: a merged linear (`MergedColumnLinear(`
+    in their source) or a rewritten norm (`rms_norm(`). Each must run on the inputs for the type to count as
+    verified. Classes that only build fused children are left out: a wrapper whose forward its parent bypasses
+    (TrOCR's decoder wrapper) runs nothing of its own, and its children are checked themselves."""
+    import inspect
+
+    from fusegen.compiler.propagate import PREFIX
+
+    module = sys.modules[type(fused).__module__]
+    found = set()
+    for name, value in vars(module).items():
+        if isinstance(value, type) and name.startswith(PREFIX) and value.__module__ == module.__name__:
+            try:
+                source = inspect.getsource(value)
+            except (OSError, TypeError):
+                continue
+            if "MergedColumnLinear(" in source or "rms_norm(" in source:
+                found.add(name)
+    return found
 
 
 def merging_classes(fused) -> dict[str, str]:
@@ -320,19 +353,25 @@ def _reference_logits(original, input_ids, torch, **extra):
 
 
 def _logits(model, input_ids, torch, **kwargs):
+    """Logits of `model` on `input_ids` (with an all-ones mask) and `kwargs`; `input_ids` None: `kwargs` alone."""
+    if input_ids is not None:
+        kwargs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **kwargs}
     with torch.no_grad():
-        output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        output = model(**kwargs)
     logits = output.logits if hasattr(output, "logits") else output[0]
     return logits.float()
 
 
-def compare_greedy(original, fused, prompt, torch) -> str:
-    """`same`/`differ` over `NEW_TOKENS` greedy tokens, or why generation was not compared."""
+def compare_greedy(original, fused, prompt, torch, **inputs) -> str:
+    """`same`/`differ` over `NEW_TOKENS` greedy tokens from `prompt` (None: from `inputs` alone, an encoder's
+    audio features), or why generation was not compared."""
     if not original.can_generate():
         return "not a generation model"
     config = original.generation_config
+    prompts = () if prompt is None else (prompt,)  # not `None` positionally: Whisper's first argument is its features
     kwargs = {
-        "attention_mask": torch.ones_like(prompt),
+        **({} if prompt is None else {"attention_mask": torch.ones_like(prompt)}),
+        **inputs,
         "max_new_tokens": NEW_TOKENS,
         "min_new_tokens": NEW_TOKENS,
         "do_sample": False,
@@ -340,12 +379,12 @@ def compare_greedy(original, fused, prompt, torch) -> str:
     }
     try:
         with torch.no_grad():
-            expected = original.generate(prompt, **kwargs)
+            expected = original.generate(*prompts, **kwargs)
     except Exception as error:  # noqa: BLE001
         return f"original generate fails: {_short(error)}"
     try:
         with torch.no_grad():
-            actual = fused.generate(prompt, **kwargs)
+            actual = fused.generate(*prompts, **kwargs)
     except Exception as error:  # noqa: BLE001
         return f"fused generate fails: {_short(error)}"
     return "same" if torch.equal(expected, actual) else "differ"
