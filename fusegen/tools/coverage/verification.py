@@ -244,40 +244,33 @@ def generated_classes(fused) -> set[str]:
     in their source) or a rewritten norm (`rms_norm(`). Each must run on the inputs for the type to count as
     verified. Classes that only build fused children are left out: a wrapper whose forward its parent bypasses
     (TrOCR's decoder wrapper) runs nothing of its own, and its children are checked themselves."""
-    import inspect
-
-    from fusegen.compiler.propagate import PREFIX
-
-    module = sys.modules[type(fused).__module__]
-    found = set()
-    for name, value in vars(module).items():
-        if isinstance(value, type) and name.startswith(PREFIX) and value.__module__ == module.__name__:
-            try:
-                source = inspect.getsource(value)
-            except (OSError, TypeError):
-                continue
-            if "MergedColumnLinear(" in source or "rms_norm(" in source:
-                found.add(name)
-    return found
+    return {
+        name for name, source in _generated_sources(fused) if "MergedColumnLinear(" in source or "rms_norm(" in source
+    }
 
 
 def merging_classes(fused) -> dict[str, str]:
     """`{original class name: fused class name}` for the generated classes that hold a merged linear."""
+    from fusegen.compiler.propagate import PREFIX
+
+    return {
+        name.removeprefix(PREFIX): name for name, source in _generated_sources(fused) if "MergedColumnLinear(" in source
+    }
+
+
+def _generated_sources(fused):
+    """`(name, source)` of each class the generated module of `fused` defines (the fused classes it writes)."""
     import inspect
 
     from fusegen.compiler.propagate import PREFIX
 
     module = sys.modules[type(fused).__module__]
-    found = {}
     for name, value in vars(module).items():
         if isinstance(value, type) and name.startswith(PREFIX) and value.__module__ == module.__name__:
             try:
-                source = inspect.getsource(value)
+                yield name, inspect.getsource(value)
             except (OSError, TypeError):
                 continue
-            if "MergedColumnLinear(" in source:
-                found[name.removeprefix(PREFIX)] = name
-    return found
 
 
 def unused_fused_classes(original, fused) -> tuple[list[str], list[str]]:
