@@ -275,6 +275,19 @@ def test_a_docstring_is_not_part_of_the_key():
     assert verdicts.check_key([documented], _Introspects(), ()) == verdicts.check_key([other], _Introspects(), ())
 
 
+def test_which_keyword_gets_which_value_is_part_of_the_key():
+    # Same bytecode, same values: only the keyword-name tuple KW_NAMES reads from the constants differs.
+    def first(self, x):
+        return x.to(dtype=torch.float32, copy=True)
+
+    def second(self, x):
+        return x.to(copy=torch.float32, dtype=True)
+
+    assert first.__code__.co_code == second.__code__.co_code
+    keys = [verdicts.check_key([forward], _Introspects(), ()) for forward in (first, second)]
+    assert None not in keys and keys[0] != keys[1]
+
+
 def test_rewritten_forwards_of_identical_classes_have_equal_keys():
     """What the build compares: each class's own forward and the forward compiled from its own rewritten source."""
     keys = []

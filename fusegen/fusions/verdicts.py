@@ -287,7 +287,9 @@ class _Keyer:
     def code(self, code: types.CodeType, repr_ok: bool = False) -> tuple:
         """The code's meaning without its names, file and line numbers (see the module docstring)."""
         self.codes.append((code, repr_ok))
-        loaded = {i.arg for i in dis.get_instructions(code) if i.opname in ("LOAD_CONST", "RETURN_CONST")}
+        # every instruction whose argument indexes the constants reads one (LOAD_CONST, RETURN_CONST, and KW_NAMES:
+        # which keyword gets which value), so only a constant no instruction names (the docstring) is left out
+        loaded = {i.arg for i in dis.get_instructions(code) if i.opcode in dis.hasconst}
         return (
             code.co_code,
             code.co_argcount,
