@@ -21,6 +21,7 @@ identical), only redundant.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from copy import deepcopy
 from typing import Any
@@ -329,20 +330,44 @@ def register_stacked_checkpoint(
     stacked_converters = build_stacked_converters(stacked, parents)
     for name in names:
         _check_registrable(name)
+    module = sys._getframe(1).f_globals.get("__name__", "")  # the generated module defining the classes
     for name in names:
-        _REGISTERED[name] = stacked_converters
-        _register(name, get_checkpoint_conversion_mapping(name.removeprefix("Fused")) or [])
+        _REGISTERED[(module, name)] = stacked_converters
+        _register(module, name, get_checkpoint_conversion_mapping(name.removeprefix("Fused")) or [])
     return stacked_converters
 
 
+_REGISTERED: dict[tuple[str, str], list[WeightConverter]] = {}
+"""`(module, fused class name)` -> the merge converters `register_stacked_checkpoint` registered for it. Keyed by
+module as well: two generated modules may define classes of one name with different merges (a test's own build of a
+type beside the checked-in file), and a tree must get its own classes' converters."""
+
+_APPLIED: dict[str, tuple] = {}
+"""Fused class name -> (module, the original's conversions) of what is registered under that name now."""
 
 
-_REGISTERED: dict[str, list[WeightConverter]] = {}
-"""The fused class names `register_stacked_checkpoint` registered, with their merge converters."""
+def _signature(conversions: list) -> tuple:
+    """What identifies a list of conversions: each one's kind, patterns and operations."""
+    return tuple(
+        (
+            type(c).__name__,
+            tuple(getattr(c, "source_patterns", ())),
+            tuple(getattr(c, "target_patterns", ())),
+            tuple(type(op).__name__ for op in getattr(c, "operations", ())),
+        )
+        for c in conversions
+    )
 
 
-def _register(name: str, original: list) -> None:
-    stacked = _REGISTERED[name]
+def _register(module: str, name: str, original: list, again: bool = True) -> None:
+    """Register `name`'s conversions: the original's `original`, with `module`'s merges. `again=False` (a model
+    being built, `register_for_tree`) leaves the registry untouched when it already holds exactly these, so what a
+    later step changed in place there (tensor parallelism's `use_partitioned_concatenate`) is kept."""
+    applied = (module, _signature(original))
+    if not again and _APPLIED.get(name) == applied:
+        return
+    _APPLIED[name] = applied
+    stacked = _REGISTERED[(module, name)]
     kept, composed = [], []
     for conversion in original:
         merge = _composed(conversion, stacked)
@@ -381,7 +406,9 @@ def _composed(conversion, stacked: list) -> WeightConverter | None:
             source_patterns=list(conversion._original_source_patterns),
             target_patterns=f"{head}{merged}{tail}",
             operations=[
-                ThenMerge(list(conversion.operations), list(conversion.source_patterns), list(conversion.target_patterns))
+                ThenMerge(
+                    list(conversion.operations), list(conversion.source_patterns), list(conversion.target_patterns)
+                )
             ],
         )
     return None
@@ -467,13 +494,14 @@ def register_for_tree(root: nn.Module) -> None:
         if not isinstance(module, PreTrainedModel):
             continue
         name = type(module).__name__
-        original = name.removeprefix("Fused") if name in _REGISTERED else name
+        key = (type(module).__module__, name)
+        original = name.removeprefix("Fused") if key in _REGISTERED else name
         model_type = getattr(module.config, "model_type", None)
         found = _original_walk_step(module, path, original, model_type, claimed)
-        if name in _REGISTERED:
-            decided.setdefault(name, found or [])
-    for name, found in decided.items():
-        _register(name, found)
+        if key in _REGISTERED:
+            decided.setdefault(key, found or [])
+    for (module_name, name), found in decided.items():
+        _register(module_name, name, found, again=False)
 
 
 def _original_walk_step(module, path: str, original: str, model_type: str | None, claimed: dict) -> list | None:
