@@ -352,17 +352,3 @@ def test_zamba_shared_transformer_loads_through_its_tied_merged_weights(tmp_path
     first, *rest = (layer.shared_transf.self_attn.qkv_proj.weight for layer in hybrid)
     assert rest and all(weight is first for weight in rest)
 
-
-def test_a_module_defining_fused_classes_of_the_same_names_does_not_change_how_the_first_loads(tmp_path):
-    # Two generated modules may define classes of one name (a test's own build beside the checked-in file): a model
-    # built from the first must still load with the first module's merges, not the ones registered last.
-    from fusegen.runtime import register_stacked_checkpoint
-
-    config = small_config(LlamaConfig, num_key_value_heads=2)
-    original = random_model(LlamaForCausalLM, config)
-    original.save_pretrained(tmp_path)
-    other = {"__name__": "another_generated_module", "register": register_stacked_checkpoint}
-    exec('register(["FusedLlamaModel"], {"qkv_proj": [("q_proj", "q"), ("k_proj", "k")]})', other)  # noqa: S102
-    fused = FusedLlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    ids = torch.randint(0, config.vocab_size, (2, 7))
-    assert max_diff(original(ids).logits, fused(ids).logits) <= TOLERANCE
