@@ -208,7 +208,9 @@ def test_action_and_patch_inputs_are_shaped_from_the_config():
     assert found["noise"].shape == (2, config.chunk_size, config.max_action_dim)
     assert ((0 < found["timestep"]) & (found["timestep"] < 1)).all() and found["timestep"].shape == (2,)
     assert action_inputs({"input_ids"}, config, 2, generator) == {}
-    patches = flattened_patches(Pix2StructConfig(), 2, 12, generator)["flattened_patches"]
+    found = flattened_patches(Pix2StructConfig(), 2, 12, generator)
+    patches = found["flattened_patches"]
+    assert found["attention_mask"].shape == (2, 12) and bool(found["attention_mask"].all())
     assert patches.shape == (2, 12, 2 + Pix2StructConfig().vision_config.patch_embed_hidden_size)
     assert patches[0, :, 0].tolist() == [1] * 4 + [2] * 4 + [3] * 4 and patches[0, :4, 1].tolist() == [1, 2, 3, 4]
     images = cross_attended_images({"pixel_values": torch.zeros(2, 3, 8, 8)}, torch.zeros(2, 5, dtype=torch.long))
@@ -240,7 +242,7 @@ def test_the_original_runs_on_the_built_inputs_and_reads_them(model_type, modal)
     model = random_model(target.causal_lm, config)
     inputs = forward_inputs(model, config, random_input(config))
     assert modal in inputs
-    inputs.setdefault("attention_mask", torch.ones(2, 12))  # as the verifier sends it (Pix2Struct: the patches' mask)
+    inputs.setdefault("attention_mask", torch.ones(2, 12))  # as the verifier sends it (Pix2Struct brings its own)
     other = dict(inputs)
     index = (..., slice(2, None)) if modal == "flattened_patches" else (...,)  # keep the patch positions
     other[modal] = inputs[modal].clone()

@@ -117,7 +117,7 @@ def test_a_fused_tower_that_never_ran_is_not_verified(monkeypatch):
     target, fused_class, config = parts("qwen2_5_vl")
     module = importlib.import_module("generated.fused_qwen2_5_vl")
     with open(module.__file__, encoding="utf-8") as handle:
-        merging = validate.merging_classes(handle.read())
+        merging = validate.merging_classes_in_text(handle.read())
     args = (target.causal_lm, fused_class, config, module.STACKED_PARAMS_MAPPING, merging, ("eval",))
     assert validate.check_config("tiny", *args).status == "passed"
     monkeypatch.setattr(validate, "_inputs", lambda original, config, input_ids: input_ids)

@@ -151,7 +151,7 @@ def test_olmo_clip_qkv_trains_like_the_original():
             fused_class = getattr(module, "Fused" + target.causal_lm.__name__)
             checks[name] = validate.check_config(
                 "clip_qkv=0.5", target.causal_lm, fused_class, config, module.STACKED_PARAMS_MAPPING,
-                validate.merging_classes(text), ("eval", "train"),
+                validate.merging_classes_in_text(text), ("eval", "train"),
             )  # fmt: skip
     assert checks["fixed"].status == "passed" and checks["fixed"].grad_diff is not None, checks["fixed"]
     assert checks["unfixed"].status == "mismatch" and "SplitWithSizes" in checks["unfixed"].detail, checks["unfixed"]

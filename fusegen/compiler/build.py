@@ -27,7 +27,7 @@ from fusegen import fusions
 from fusegen.compiler.analyse import analyse_classes
 from fusegen.compiler.imports import import_block
 from fusegen.compiler.instantiate import candidates, instantiate
-from fusegen.compiler.mappings import checkpoint_classes, merging_classes, stacked_mapping, tensor_parallel
+from fusegen.compiler.mappings import checkpoint_classes, merging_original_classes, stacked_mapping, tensor_parallel
 from fusegen.compiler.piece_refs import PIECE, piece_table, rewrite_piece_references
 from fusegen.compiler.propagate import Emitted, classes_to_emit, fused_name, fused_names, rename_classes
 from fusegen.compiler.reachable import refuse_unreachable
@@ -141,7 +141,7 @@ def propagate(analysis: Analysis) -> Emission:
         imports,
         plans,
         scopes,
-        checkpoint_classes(model, target, renames, merging_classes(outcomes)),
+        checkpoint_classes(model, target, renames, merging_original_classes(outcomes)),
         stacked_mapping(plans),
         tensor_parallel(model, plans, scopes),
     )

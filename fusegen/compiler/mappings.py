@@ -26,7 +26,7 @@ def stacked_mapping(plans: list[FusionPlan]) -> dict[str, list[tuple]]:
     return mapping
 
 
-def merging_classes(outcomes) -> set[str]:
+def merging_original_classes(outcomes) -> set[str]:
     """The original classes that hold a merged linear in the fused model."""
     return {outcome.class_name for outcome in outcomes if any(plan.shards for plan in outcome.fused)}
 
@@ -40,7 +40,7 @@ def checkpoint_classes(
     model's conversions to its prefix, and the causal LM nests it. A merged linear whose nearest enclosing
     `PreTrainedModel` is the root itself (Kosmos-2's `image_to_text_projection.x_attn`, beside its text and vision
     models) is reached by no nested model's conversions, so the root is registered too. `merging`: the original
-    class names that hold a merged linear (`merging_classes`).
+    class names that hold a merged linear (`merging_original_classes`).
     """
     from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping

@@ -182,11 +182,29 @@ def with_waveform(model: nn.Module, config, batch: dict, values: torch.Tensor) -
 
 def audio_token_id(config) -> int | None:
     """The id a processor writes for each audio embedding (`audio_token_id`, older `audio_token_index`)."""
-    for name in ("audio_token_id", "audio_token_index"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    return _token_id((config,), "audio")
+
+
+def _token_id(levels, kind: str) -> int | None:
+    """The first `{kind}_token_id` (older spelling `{kind}_token_index`) that is an int, looked up on each config
+    of `levels` in turn; None when none names one (a bool is a flag, never an id)."""
+    for level in levels:
+        for name in (f"{kind}_token_id", f"{kind}_token_index"):
+            value = getattr(level, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
     return None
+
+
+def _with_token_block(input_ids: torch.Tensor, token: int, count: int, brackets: tuple) -> torch.Tensor:
+    """`input_ids` with `count` copies of `token` inserted in every sequence after `PREFIX` text tokens, between
+    `brackets` (the processor's start and end tokens) when both are ints."""
+    block = [token] * count
+    start, end = brackets
+    if isinstance(start, int) and isinstance(end, int):
+        block = [start, *block, end]
+    block = torch.tensor(block, dtype=input_ids.dtype).expand(input_ids.shape[0], -1)
+    return torch.cat([input_ids[:, :PREFIX], block, input_ids[:, PREFIX:]], dim=1)
 
 
 def with_audio_tokens(model: nn.Module, config, batch: dict, keys=AUDIO_KEYS) -> torch.Tensor | None:
@@ -208,12 +226,8 @@ def with_audio_tokens(model: nn.Module, config, batch: dict, keys=AUDIO_KEYS) ->
     per_sequence, left = divmod(total, input_ids.shape[0])
     if per_sequence == 0 or left:
         return None
-    audio = [audio_token_id(config)] * per_sequence
-    start, end = getattr(config, "audio_start_token_id", None), getattr(config, "audio_end_token_id", None)
-    if isinstance(start, int) and isinstance(end, int):  # the processor's brackets (Qwen2.5-Omni finds audio by them)
-        audio = [start, *audio, end]
-    block = torch.tensor(audio, dtype=input_ids.dtype).expand(input_ids.shape[0], -1)
-    return torch.cat([input_ids[:, :PREFIX], block, input_ids[:, PREFIX:]], dim=1)
+    brackets = (getattr(config, "audio_start_token_id", None), getattr(config, "audio_end_token_id", None))
+    return _with_token_block(input_ids, audio_token_id(config), per_sequence, brackets)  # Qwen2.5-Omni: bracketed
 
 
 def _forward_inputs(
@@ -249,12 +263,12 @@ def _forward_inputs(
         inputs["input_ids"] = input_ids
         inputs["attention_mask"] = torch.ones_like(input_ids)
     inputs.update(action_inputs(parameters, config, input_ids.shape[0], generator))
-    if "flattened_patches" in parameters:
-        inputs.update(flattened_patches(config, *input_ids.shape, generator))
     if "decoder_input_ids" in parameters and getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = input_ids if "input_ids" not in inputs else input_ids.flip(-1)
         if "input_ids" not in parameters:
             inputs.pop("attention_mask", None)
+    if "flattened_patches" in parameters:  # after the decoder's ids: the mask it brings is the patches' own
+        inputs.update(flattened_patches(config, *input_ids.shape, generator))
     return {**inputs, **images}
 
 
@@ -291,12 +305,7 @@ def cross_attended_images(images: dict, input_ids: torch.Tensor) -> dict:
 def image_token_id(config) -> int | None:
     """The id a processor writes for each image feature (`image_token_id`, older `image_token_index`)."""
     parent = vision_parent(config)
-    for level in (config,) if parent is None or parent is config else (config, parent):
-        for name in ("image_token_id", "image_token_index"):
-            value = getattr(level, name, None)
-            if isinstance(value, int):
-                return value
-    return None
+    return _token_id((config,) if parent is None or parent is config else (config, parent), "image")
 
 
 def vision_parent(config):
@@ -402,12 +411,8 @@ def with_image_tokens(model: nn.Module, config, input_ids: torch.Tensor, images:
     per_image, left = divmod(total, input_ids.shape[0])
     if per_image == 0 or left:
         raise ValueError(f"{total} image features do not split evenly over {input_ids.shape[0]} images")
-    image = [token] * per_image
-    start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
-    if isinstance(start, int) and isinstance(end, int):
-        image = [start, *image, end]
-    block = torch.tensor(image, dtype=input_ids.dtype).expand(input_ids.shape[0], -1)
-    return torch.cat([input_ids[:, :PREFIX], block, input_ids[:, PREFIX:]], dim=1)
+    brackets = (getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None))
+    return _with_token_block(input_ids, token, per_image, brackets)
 
 
 def action_inputs(parameters: set[str], config, batch: int, generator: torch.Generator) -> dict:
@@ -429,8 +434,8 @@ def action_inputs(parameters: set[str], config, batch: int, generator: torch.Gen
 def flattened_patches(config, batch: int, length: int, generator: torch.Generator) -> dict:
     """Pix2Struct's image input: `flattened_patches` `(batch, patches, 2 + patch_embed_hidden_size)`, each row its
     1-based patch row and column (0 marks padding) then the patch's pixels. As many patches as the text has tokens,
-    in rows of 4: the forward's `attention_mask` is the patches' mask, and the callers send one of ones shaped as the
-    token ids (no patch is padding). {} when the vision config does not size its patches."""
+    in rows of 4, and their `attention_mask` (the forward's mask is the patches' one): all ones, no patch is
+    padding. {} when the vision config does not size its patches."""
     vision = getattr(config, "vision_config", None)
     width = getattr(vision, "patch_embed_hidden_size", None)
     if not isinstance(width, int):
@@ -439,7 +444,7 @@ def flattened_patches(config, batch: int, length: int, generator: torch.Generato
     rows, columns = (index // 4 + 1).float(), (index % 4 + 1).float()
     pixels = torch.randn(batch, length, width, generator=generator)
     positions = torch.stack([rows, columns], dim=-1).expand(batch, -1, -1)
-    return {"flattened_patches": torch.cat([positions, pixels], dim=-1)}
+    return {"flattened_patches": torch.cat([positions, pixels], dim=-1), "attention_mask": torch.ones(batch, length)}
 
 
 NAFLEX_GRID = (2, 2)

@@ -159,7 +159,7 @@ def _validate_into(validation: Validation, target, text: str, tiny_steps: tuple[
         except ShrinkError as error:
             validation.checks.append(Check("tiny", "skipped", f"no tiny config: {_first_line(error)}"))
             return
-        merging = merging_classes(text)
+        merging = merging_classes_in_text(text)
         validation.checks.append(
             check_config("tiny", target.causal_lm, fused_class, config, mapping, merging, tiny_steps)
         )
@@ -353,7 +353,7 @@ def _agree(check: Check, expected, actual, mapping, where: str, grad_tolerance: 
         check.grad_diff = grad if check.grad_diff is None else max(check.grad_diff, grad)
 
 
-def merging_classes(text: str) -> set[str]:
+def merging_classes_in_text(text: str) -> set[str]:
     """Names of the generated classes that construct a merged linear (read off the text, no `inspect`)."""
     chunks = re.split(r"^class (\w+)\b", text, flags=re.MULTILINE)
     return {name for name, body in zip(chunks[1::2], chunks[2::2]) if "MergedColumnLinear(" in body}
@@ -468,7 +468,7 @@ def _image_features(model, inputs):
 
 
 class executed:
-    """Record which merging fused classes (`merging_classes`) run in the block: `ran[name]` is True once an
+    """Record which merging fused classes (`merging_classes_in_text`) run in the block: `ran[name]` is True once an
     instance ran, False while none has (classes the model does not build are absent)."""
 
     def __init__(self, model, merging: set[str]):

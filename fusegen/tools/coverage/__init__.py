@@ -33,7 +33,7 @@ from fusegen.tools.coverage.verification import (
     compare_greedy,
     config_variants,
     import_causal_lm,
-    merging_classes,
+    merging_fused_classes,
     unused_fused_classes,
     verify,
 )
@@ -60,7 +60,7 @@ __all__ = [
     "is_verified",
     "kind_counts",
     "main",
-    "merging_classes",
+    "merging_fused_classes",
     "part_cell",
     "part_of",
     "render_markdown",

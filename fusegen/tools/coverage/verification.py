@@ -85,9 +85,9 @@ def _verify_in(
 
 def _merging_in(text: str) -> set[str]:
     """Names of the generated classes that construct a merged linear, read off the generated text."""
-    from fusegen.compiler.validate import merging_classes as merging_in_text
+    from fusegen.compiler.validate import merging_classes_in_text
 
-    return merging_in_text(text)
+    return merging_classes_in_text(text)
 
 
 def config_variants(target, config, limit: int | None) -> tuple[list[tuple[str, object]], list[str]]:
@@ -156,7 +156,7 @@ def _verify_config(tmp: Path, label: str, target, fused_class, config, torch) ->
     unused, unexercised = unused_fused_classes(original, fused)
     if unused:
         return ConfigCheck(label, "failed", reason=f"fused model never instantiates {', '.join(unused)}")
-    exercised = sorted(set(merging_classes(fused).values()) - set(unexercised))
+    exercised = sorted(set(merging_fused_classes(fused).values()) - set(unexercised))
     rows = input_rows(config)
     input_ids = random_input(config, batch=BATCH * rows)
     extra = _extra_inputs(original, torch)
@@ -168,9 +168,7 @@ def _verify_config(tmp: Path, label: str, target, fused_class, config, torch) ->
         input_ids = modal.pop("input_ids")
         modal.pop("attention_mask", None)
         extra = {**extra, **modal}
-    elif "flattened_patches" in modal:  # Pix2Struct reads patches, not token ids (its decoder gets them)
-        extra = {**extra, **modal}
-    elif modal:  # a forward that reads no token ids (speech, video): the batch is all it takes
+    elif modal:  # a forward that reads no token ids (speech, video, Pix2Struct's patches): the batch is all it takes
         input_ids, extra = None, {**extra, **modal}
     notes = []
     try:
@@ -249,7 +247,7 @@ def generated_classes(fused) -> set[str]:
     }
 
 
-def merging_classes(fused) -> dict[str, str]:
+def merging_fused_classes(fused) -> dict[str, str]:
     """`{original class name: fused class name}` for the generated classes that hold a merged linear."""
     from fusegen.compiler.propagate import PREFIX
 
@@ -283,7 +281,7 @@ def unused_fused_classes(original, fused) -> tuple[list[str], list[str]]:
     built = {type(module).__name__ for module in fused.modules()}
     originals = {type(module).__name__ for module in original.modules()}
     unused, unexercised = [], []
-    for original_name, fused_name in sorted(merging_classes(fused).items()):
+    for original_name, fused_name in sorted(merging_fused_classes(fused).items()):
         if original_name not in originals:
             unexercised.append(fused_name)
         elif fused_name not in built:
