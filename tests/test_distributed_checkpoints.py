@@ -33,6 +33,11 @@ CASES = {
     "tp-qwen2-resume-fused-to-original": ("qwen2", {"num_key_value_heads": 2}, "tp_resume_fused"),
     "tp-llama-resume-original-to-fused": ("llama", {"num_key_value_heads": 2}, "tp_resume_original"),
     "tp-llama-mqa-resume-fused-to-original": ("llama", {"num_key_value_heads": 1}, "tp_resume_fused_single_original"),
+    # gate/up of 37 rows over 2 ranks: 19 and 18 rows each (DTensor's split, as Transformers' colwise gives them)
+    "tp-qwen2-mlp-37-resume-fused-to-original": ("qwen2", {"num_key_value_heads": 2, "intermediate_size": 37},
+                                                 "tp_resume_fused"),  # fmt: skip
+    "tp-llama-mlp-37-original-to-fused": ("llama", {"num_key_value_heads": 2, "intermediate_size": 37},
+                                          "tp_original_to_fused"),  # fmt: skip
 }
 TRAIN_STEPS, RESUME_STEPS = 2, 3  # AdamW steps before the checkpoint, and after it
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from fusegen.compiler.mappings import fused_plan_from
@@ -111,18 +112,24 @@ CASES = {
             "refuse-packed",
         ),
         "unhonoured-override": ("llama", {"num_key_value_heads": 2}, "unhonoured"),
+        # gate/up of 37 rows (Transformers' own Qwen2ModelTest TP config): 19 rows on rank 0, 18 on rank 1
+        "qwen2-mlp-37": ("qwen2", {"num_key_value_heads": 2, "intermediate_size": 37}, "compare"),
+        "qwen2-mlp-37-honest": ("qwen2", {"num_key_value_heads": 2, "intermediate_size": 37}, "honest"),
+        "qwen2-mlp-37-save": ("qwen2", {"num_key_value_heads": 2, "intermediate_size": 37}, "save"),
     },
     4: {
         "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),  # each kv head shared by 2 ranks
         "llama-mha": ("llama", {"num_key_value_heads": 4}, "compare"),
         "qwen2-mqa": ("qwen2", {"num_key_value_heads": 1}, "compare"),
         "heads-2": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 2}, "error"),
-        "mlp-90": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "error"),
+        "llama-mlp-90": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "compare"),  # 23, 23, 23, 21
         "phi3-packed-gqa": ("phi3", {"num_key_value_heads": 2, **TOKENS}, "packed"),  # kv head shared by 2 ranks
     },
     "4-honest": {  # N=4, a launch of its own so that `-k 4-honest` reruns it alone: the case that exposed DTensor's
         # sharding cache handing a merged weight another tensor's Shard(0) label (fusegen/runtime/tp/spec_equality.py)
         "llama-gqa-honest": ("llama", {"num_key_value_heads": 2}, "honest"),  # each kv head shared by 2 ranks
+        # and gate/up of 90 rows: 23, 23, 23 and 21 rows per rank (DTensor's split, as Transformers' colwise)
+        "llama-mlp-90-honest": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "honest"),
     },
     "2-mla": {  # N=2, a launch of its own (each launch has its own timeout)
         # MLA: layer 0 dense (merged gate_up_proj), layer 1 MoE (experts + shared experts); q_lora_rank set (merged
@@ -160,7 +167,6 @@ ERRORS = {
     "heads-3": "num_attention_heads=3 is not divisible by N",
     "kv-heads-3": "num_key_value_heads=3 neither divisible by nor dividing N",
     "heads-2": "N is larger than num_attention_heads=2",
-    "mlp-90": "(layers.0.mlp.gate_up_proj): piece sizes [90, 90]",
     "phi3-packed-heads-3": "num_attention_heads=3 is not divisible by N",
     "phi3-packed-kv-3": "num_key_value_heads=3 neither divisible by nor dividing N",
     "falcon-packed-1-group": "cannot be split over N=2 tensor-parallel processes (1 is not divisible by 2)",
@@ -240,6 +246,7 @@ def _compare(model_type, path, how):
         attention = tp.model.layers[0].self_attn
         result["qkv_sizes"] = list(attention.qkv_proj.output_sizes)
         result["gate_up_sizes"] = list(tp.model.layers[0].mlp.gate_up_proj.output_sizes)
+        result["down_proj_columns"] = tp.model.layers[0].mlp.down_proj.weight.to_local().shape[1]  # Transformers' rowwise
         result["kv_groups"] = attention.num_key_value_groups
         result["tied"] = tp.lm_head.weight is tp.model.embed_tokens.weight
     return result
@@ -692,7 +699,8 @@ def test_fused_tp_matches_single_process(launched, world_size, name):
         assert result["vs_single"] <= TOLERANCE and result["vs_original"] <= TOLERANCE, result
         assert result["greedy_single"] and result["greedy_original"] and result["greedy_static"], result
         assert result["qkv_sizes"] == [heads // world_size * head_dim, local_kv * head_dim, local_kv * head_dim]
-        assert result["gate_up_sizes"] == [96 // world_size] * 2
+        rows, _ = Shard.local_shard_size_and_offset(overrides.get("intermediate_size", 96), world_size, rank)
+        assert result["gate_up_sizes"] == [rows] * 2 and result["down_proj_columns"] == rows, result
         assert result["kv_groups"] == heads // world_size // local_kv
         assert result["tied"] is bool(overrides.get("tie_word_embeddings", False))
         assert result["read_bytes"] <= read_bound(path, world_size, replicated), result
@@ -707,7 +715,7 @@ def test_transformers_own_tp_for_reference(launched):
         assert fused[rank]["read_bytes"] == result["read_bytes"]  # the fused model reads exactly the same slices
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-save", "llama-mqa-save"])
+@pytest.mark.parametrize("name", ["llama-gqa-save", "llama-mqa-save", "qwen2-mlp-37-save"])
 def test_tp_model_saves_the_canonical_checkpoint(launched, name):
     _, per_rank = _results(launched, 2, name)
     assert per_rank[0] == {"round_trip": True, "loading_info": {}}
@@ -861,8 +869,23 @@ def test_partition_replicates_kv_heads_when_fewer_than_ranks():
 
 
 def test_partition_refuses_to_cut_a_unit():
-    with pytest.raises(ValueError, match=r"model X: piece sizes \[96, 96\].*N=5"):
-        partition_rows([96, 96], [96, 96], [False, False], 5, 0, what="model X")
+    # pieces of 6 units of 16 rows (heads): 4 processes cannot share them without cutting a head
+    with pytest.raises(ValueError, match=r"model X: piece sizes \[96, 96\].*N=4"):
+        partition_rows([96, 96], [6, 6], [False, False], 4, 0, what="model X")
+
+
+@pytest.mark.parametrize(("rows", "world_size"), [(37, 2), (37, 4), (90, 4), (3, 4), (5, 4), (96, 5), (64, 2)])
+def test_partition_splits_uneven_rows_as_dtensor_shards_them(rows, world_size):
+    """gate/up pieces (counted in rows) that do not divide by N get DTensor's `Shard(0)` blocks: torch's own
+    `Shard.local_shard_size_and_offset` is the reference (what Transformers' colwise gives the original's gate_proj
+    and up_proj, and its rowwise the down_proj columns), so every piece's blocks tile it, ceil-sized but the last."""
+    partitions = [partition_rows([rows, rows], [rows, rows], [False, False], world_size, r, what="m")
+                  for r in range(world_size)]  # fmt: skip
+    for rank, partition in enumerate(partitions):
+        size, start = Shard.local_shard_size_and_offset(rows, world_size, rank)
+        assert partition.sizes == (size, size) and (partition.starts == (start, start) or size == 0), partition
+        assert partition.shard_on_read and partition.replicated == (False, False)
+    assert sum(p.sizes[0] for p in partitions) == rows
 
 
 @pytest.mark.parametrize(
@@ -974,20 +997,25 @@ def test_saving_splits_the_gathered_merged_tensor_into_q_k_v():
         ((8, 2, 2), (4, 1, 1), (False, True, True), 2),  # MQA: the kv head on both ranks
         ((8, 4, 4), (4, 2, 2), (False, True, True), 4),  # 2 kv heads at N=4: each shared by 2 ranks
         ((6, 6), (6, 6), (False, False), 2),  # gate/up
+        ((37, 37), (37, 37), (False, False), 2),  # gate/up of 37 rows: 19 and 18 rows per rank
+        ((90, 90), (90, 90), (False, False), 4),  # 23, 23, 23, 21
+        ((5, 5), (5, 5), (False, False), 4),  # 2, 2, 1 and none
     ],
 )
 def test_merged_row_shard_assembles_and_selects_each_ranks_rows(full_sizes, units, replicable, world_size):
     """What full_tensor() and redistribute do with the processes' local tensors, without processes: each rank's
     rows of [q; k; v] put back together give [q; k; v], each row once; selecting gives each rank its own rows."""
     partitions = [partition_rows(full_sizes, units, replicable, world_size, r, what="t") for r in range(world_size)]
-    placement = _merged_row_shard_class()(full_sizes, partitions[0].sizes, [p.starts for p in partitions])
+    sizes, starts = [p.sizes for p in partitions], [p.starts for p in partitions]
+    placement = _merged_row_shard_class()(full_sizes, sizes, starts)
     full = torch.arange(float(sum(full_sizes))).unsqueeze(1).repeat(1, 3)
     blocks = [placement.select_local(full, rank) for rank in range(world_size)]
     for partition, block in zip(partitions, blocks):
         assert torch.equal(block, torch.cat([full.narrow(0, s, n) for s, n in partition.merged_rows()]))
+        assert block.shape[0] == placement.local_rows(partition.rank)
     assert torch.equal(placement.assemble(blocks), full)
-    assert placement.even_pieces == all(partition.shard_on_read for partition in partitions)
-    assert placement == placement.__class__(full_sizes, partitions[0].sizes, [p.starts for p in partitions])
+    assert placement.chunked_pieces == all(partition.shard_on_read for partition in partitions)
+    assert placement == placement.__class__(full_sizes, sizes, starts)
     with pytest.raises(ValueError, match="do not cover"):
         placement.assemble(blocks[:1])
 
