@@ -64,6 +64,7 @@ MLA = {  # tiny DeepSeek MLA + MoE sizes; 4 heads, as many kv heads (MLA expands
     "first_k_dense_replace": 1,
     **TOKENS,
 }
+MLP_37 = {"num_key_value_heads": 2, "intermediate_size": 37}  # Transformers' Qwen2ModelTest intermediate size
 BUILT = ("deepseek_v2", "falcon", "gpt_bigcode")
 """Model types with no checked-in fused file: built into the launch directory (`built/fused_<type>.py`) for the
 cases that run a fused class (`mla`, `generated-packed`)."""
@@ -113,11 +114,11 @@ CASES = {
         ),
         "unhonoured-override": ("llama", {"num_key_value_heads": 2}, "unhonoured"),
         # gate/up of 37 rows (Transformers' own Qwen2ModelTest TP config): 19 rows on rank 0, 18 on rank 1
-        "qwen2-mlp-37": ("qwen2", {"num_key_value_heads": 2, "intermediate_size": 37}, "compare"),
-        "qwen2-mlp-37-honest": ("qwen2", {"num_key_value_heads": 2, "intermediate_size": 37}, "honest"),
-        "qwen2-mlp-37-save": ("qwen2", {"num_key_value_heads": 2, "intermediate_size": 37}, "save"),
+        "qwen2-mlp-37": ("qwen2", MLP_37, "compare"),
+        "qwen2-mlp-37-honest": ("qwen2", MLP_37, "honest"),
+        "qwen2-mlp-37-save": ("qwen2", MLP_37, "save"),
         # Transformers' packed_colwise named for the fused gate_up_proj (a plan override): refused at load
-        "qwen2-mlp-38-packed-colwise": ("qwen2", {"num_key_value_heads": 2, "intermediate_size": 38}, "packed-colwise-named"),
+        "qwen2-mlp-38-packed-colwise": ("qwen2", {**MLP_37, "intermediate_size": 38}, "packed-colwise-named"),
     },
     4: {
         "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),  # each kv head shared by 2 ranks
@@ -248,7 +249,8 @@ def _compare(model_type, path, how):
         attention = tp.model.layers[0].self_attn
         result["qkv_sizes"] = list(attention.qkv_proj.output_sizes)
         result["gate_up_sizes"] = list(tp.model.layers[0].mlp.gate_up_proj.output_sizes)
-        result["down_proj_columns"] = tp.model.layers[0].mlp.down_proj.weight.to_local().shape[1]  # Transformers' rowwise
+        down_proj = tp.model.layers[0].mlp.down_proj  # split by Transformers' own rowwise
+        result["down_proj_columns"] = down_proj.weight.to_local().shape[1]
         result["kv_groups"] = attention.num_key_value_groups
         result["tied"] = tp.lm_head.weight is tp.model.embed_tokens.weight
     return result
@@ -672,12 +674,14 @@ def _checkpoint_shapes(path: str) -> dict[str, list[int]]:
 
 
 def read_bound(path: str, world_size: int, replicated_kv: bool) -> int:
-    """Most bytes a rank may read: 1/N of every sharded tensor, norms whole, and q/k/v whole when kv is replicated."""
+    """Most bytes a rank may read: its `Shard` block of every sharded tensor (ceil(n/N) of its sharded dim: columns of
+    o_proj/down_proj, rows otherwise), norms whole, and q/k/v whole when kv is replicated."""
     bound = 0.0
     for name, shape in _checkpoint_shapes(path).items():
         nbytes = 4 * torch.Size(shape).numel()  # float32 checkpoints
         whole = "norm" in name or (replicated_kv and any(f"{p}_proj" in name for p in "qkv"))
-        bound += nbytes if whole else nbytes / world_size
+        rows = shape[1] if len(shape) == 2 and ("o_proj" in name or "down_proj" in name) else shape[0]
+        bound += nbytes if whole else nbytes * -(-rows // world_size) / rows
     return int(bound)
 
 

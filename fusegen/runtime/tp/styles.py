@@ -338,7 +338,8 @@ def merged_row_shard(module: nn.Module):
 def _local_dtensor(module: nn.Module, tensor: torch.Tensor, partition: RowPartition, mesh):
     """This process's rows as a DTensor whose placement says what it holds.
 
-    Evenly split pieces: `MergedRowShard` (global view = the true merged tensor, so `full_tensor()` is it). Replicated
+    Pieces split as `Shard(0)` splits them (equal blocks, or DTensor's ceil-sized blocks of a piece of rows that does
+    not divide by N): `MergedRowShard` (global view = the true merged tensor, so `full_tensor()` is it). Replicated
     kv heads (fewer kv heads than processes) are marked `Replicate` while Transformers loads them (so it reads the
     pieces whole, see `PartitionedConcatenate`) and take their `MergedRowShard` when loading is done
     (`describe_loaded`).
