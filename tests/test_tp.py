@@ -118,7 +118,7 @@ CASES = {
         "qwen2-mlp-37-honest": ("qwen2", MLP_37, "honest"),
         "qwen2-mlp-37-save": ("qwen2", MLP_37, "save"),
         # Transformers' packed_colwise named for the fused gate_up_proj (a plan override): refused at load
-        "qwen2-mlp-38-packed-colwise": ("qwen2", {**MLP_37, "intermediate_size": 38}, "packed-colwise-named"),
+        "qwen2-mlp-38-packed-colwise": ("qwen2", {**MLP_37, "intermediate_size": 38}, "named-packed-colwise"),
     },
     4: {
         "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),  # each kv head shared by 2 ranks
@@ -610,7 +610,7 @@ def _packed_colwise_named(model_type, path):
 
 
 def _run_case(model_type, path, how, out):
-    if how == "packed-colwise-named":
+    if how == "named-packed-colwise":
         return _packed_colwise_named(model_type, path)
     if how == "mla":
         return _mla(model_type, path)
