@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow  # multi-process launches
 
 WORLD_SIZE = 2
 IDS = [[3, 17, 42, 5, 99, 11, 64, 2, 8, 30], [7, 1, 120, 77, 56, 13, 9, 4, 101, 66]]
+MLP_37 = {"num_key_value_heads": 2, "intermediate_size": 37}
 # name -> (model type, config overrides, case function)
 CASES = {
     "fsdp-qwen2-fused-to-original": ("qwen2", {"num_key_value_heads": 2}, "fsdp_fused_to_original"),
@@ -33,6 +34,9 @@ CASES = {
     "tp-qwen2-resume-fused-to-original": ("qwen2", {"num_key_value_heads": 2}, "tp_resume_fused"),
     "tp-llama-resume-original-to-fused": ("llama", {"num_key_value_heads": 2}, "tp_resume_original"),
     "tp-llama-mqa-resume-fused-to-original": ("llama", {"num_key_value_heads": 1}, "tp_resume_fused_single_original"),
+    # gate/up of 37 rows over 2 ranks: 19 and 18 rows each (DTensor's split, as Transformers' colwise gives them)
+    "tp-qwen2-mlp-37-resume-fused-to-original": ("qwen2", MLP_37, "tp_resume_fused"),
+    "tp-llama-mlp-37-original-to-fused": ("llama", MLP_37, "tp_original_to_fused"),
 }
 TRAIN_STEPS, RESUME_STEPS = 2, 3  # AdamW steps before the checkpoint, and after it
 

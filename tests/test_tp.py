@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from fusegen.compiler.mappings import fused_plan_from
@@ -63,6 +64,7 @@ MLA = {  # tiny DeepSeek MLA + MoE sizes; 4 heads, as many kv heads (MLA expands
     "first_k_dense_replace": 1,
     **TOKENS,
 }
+MLP_37 = {"num_key_value_heads": 2, "intermediate_size": 37}  # Transformers' Qwen2ModelTest intermediate size
 BUILT = ("deepseek_v2", "falcon", "gpt_bigcode")
 """Model types with no checked-in fused file: built into the launch directory (`built/fused_<type>.py`) for the
 cases that run a fused class (`mla`, `generated-packed`)."""
@@ -111,18 +113,26 @@ CASES = {
             "refuse-packed",
         ),
         "unhonoured-override": ("llama", {"num_key_value_heads": 2}, "unhonoured"),
+        # gate/up of 37 rows (Transformers' own Qwen2ModelTest TP config): 19 rows on rank 0, 18 on rank 1
+        "qwen2-mlp-37": ("qwen2", MLP_37, "compare"),
+        "qwen2-mlp-37-honest": ("qwen2", MLP_37, "honest"),
+        "qwen2-mlp-37-save": ("qwen2", MLP_37, "save"),
+        # Transformers' packed_colwise named for the fused gate_up_proj (a plan override): refused at load
+        "qwen2-mlp-38-packed-colwise": ("qwen2", {**MLP_37, "intermediate_size": 38}, "named-packed-colwise"),
     },
     4: {
         "llama-gqa": ("llama", {"num_key_value_heads": 2}, "compare"),  # each kv head shared by 2 ranks
         "llama-mha": ("llama", {"num_key_value_heads": 4}, "compare"),
         "qwen2-mqa": ("qwen2", {"num_key_value_heads": 1}, "compare"),
         "heads-2": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 2}, "error"),
-        "mlp-90": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "error"),
+        "llama-mlp-90": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "compare"),  # 23, 23, 23, 21
         "phi3-packed-gqa": ("phi3", {"num_key_value_heads": 2, **TOKENS}, "packed"),  # kv head shared by 2 ranks
     },
     "4-honest": {  # N=4, a launch of its own so that `-k 4-honest` reruns it alone: the case that exposed DTensor's
         # sharding cache handing a merged weight another tensor's Shard(0) label (fusegen/runtime/tp/spec_equality.py)
         "llama-gqa-honest": ("llama", {"num_key_value_heads": 2}, "honest"),  # each kv head shared by 2 ranks
+        # and gate/up of 90 rows: 23, 23, 23 and 21 rows per rank (DTensor's split, as Transformers' colwise)
+        "llama-mlp-90-honest": ("llama", {"num_key_value_heads": 2, "intermediate_size": 90}, "honest"),
     },
     "2-mla": {  # N=2, a launch of its own (each launch has its own timeout)
         # MLA: layer 0 dense (merged gate_up_proj), layer 1 MoE (experts + shared experts); q_lora_rank set (merged
@@ -160,7 +170,6 @@ ERRORS = {
     "heads-3": "num_attention_heads=3 is not divisible by N",
     "kv-heads-3": "num_key_value_heads=3 neither divisible by nor dividing N",
     "heads-2": "N is larger than num_attention_heads=2",
-    "mlp-90": "(layers.0.mlp.gate_up_proj): piece sizes [90, 90]",
     "phi3-packed-heads-3": "num_attention_heads=3 is not divisible by N",
     "phi3-packed-kv-3": "num_key_value_heads=3 neither divisible by nor dividing N",
     "falcon-packed-1-group": "cannot be split over N=2 tensor-parallel processes (1 is not divisible by 2)",
@@ -240,6 +249,8 @@ def _compare(model_type, path, how):
         attention = tp.model.layers[0].self_attn
         result["qkv_sizes"] = list(attention.qkv_proj.output_sizes)
         result["gate_up_sizes"] = list(tp.model.layers[0].mlp.gate_up_proj.output_sizes)
+        down_proj = tp.model.layers[0].mlp.down_proj  # split by Transformers' own rowwise
+        result["down_proj_columns"] = down_proj.weight.to_local().shape[1]
         result["kv_groups"] = attention.num_key_value_groups
         result["tied"] = tp.lm_head.weight is tp.model.embed_tokens.weight
     return result
@@ -279,10 +290,12 @@ def _replicated(tensor):
 
 
 def _gradient_checker_max_diff(tp, single):
-    """The largest difference Transformers' TP gradient checker (`test_tp_backward` in its tensor-parallel test
-    mixin) sees, done as it does it: a gradient whose placement is not Replicate is redistributed to Replicate, then
-    its local tensor is compared with the single-process gradient, sliced to rank r's contiguous block where the
-    shapes still differ (as for `Shard`)."""
+    """The largest difference a gradient checker reading the placements sees: a gradient whose placement is not
+    Replicate is redistributed to Replicate, then its local tensor is compared with the single-process gradient,
+    sliced to rank r's contiguous block where the shapes still differ (as for `Shard`). (Transformers 5.24's
+    `test_tp_backward` does not read placements: it compares each rank's local gradient with reference rows chosen
+    by the plan's style name, which no style name fusegen could honestly give describes for q/k/v; see
+    docs/tensor-parallel.md.)"""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -333,6 +346,13 @@ def _honest(model_type, path, out):
     result["grad_max_diff"] = max((_full(tp_grads[n]) - single_grads[n]).abs().max().item() for n in single_grads)
     result["merged_grad_max_diff"] = max((_full(tp_grads[n]) - single_grads[n]).abs().max().item() for n in merged)
     result["checker_max_diff"] = _gradient_checker_max_diff(tp, single)
+    # Transformers 5.24's test_tp_backward procedure (each rank's LOCAL gradient against reference rows), with the
+    # rows the placement says this rank holds instead of rows picked by the plan's style name
+    rank = dist.get_rank()
+    result["local_vs_own_rows_max_diff"] = max(
+        (tp_grads[n].to_local() - tp_grads[n].placements[0].select_local(single_grads[n], rank)).abs().max().item()
+        for n in merged
+    )
     checkpoint = f"{out}-dcp"
     dcp.save(tp.state_dict(), checkpoint_id=checkpoint)
     fresh = fused_class.from_pretrained(path, tp_plan="auto")
@@ -575,7 +595,23 @@ def _unhonoured(model_type, path):
     return {"error": None}
 
 
+def _packed_colwise_named(model_type, path):
+    """Transformers' own `packed_colwise` given to the fused `gate_up_proj` by a plan override: what the load does.
+    Why the fused plan does not name that style although its layout is `[gate_r; up_r]` (docs/tensor-parallel.md)."""
+    from transformers import DistributedConfig
+
+    _, fused_class = _classes(model_type)
+    override = {"model.layers.*.mlp.gate_up_proj": "packed_colwise"}
+    try:
+        fused_class.from_pretrained(path, distributed_config=DistributedConfig(tp_plan=override))
+    except Exception as error:  # noqa: BLE001 (the refusal is the finding)
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None}
+
+
 def _run_case(model_type, path, how, out):
+    if how == "named-packed-colwise":
+        return _packed_colwise_named(model_type, path)
     if how == "mla":
         return _mla(model_type, path)
     if how == "unhonoured":
@@ -638,12 +674,14 @@ def _checkpoint_shapes(path: str) -> dict[str, list[int]]:
 
 
 def read_bound(path: str, world_size: int, replicated_kv: bool) -> int:
-    """Most bytes a rank may read: 1/N of every sharded tensor, norms whole, and q/k/v whole when kv is replicated."""
+    """Most bytes a rank may read: its `Shard` block of every sharded tensor (ceil(n/N) of its sharded dim: columns of
+    o_proj/down_proj, rows otherwise), norms whole, and q/k/v whole when kv is replicated."""
     bound = 0.0
     for name, shape in _checkpoint_shapes(path).items():
         nbytes = 4 * torch.Size(shape).numel()  # float32 checkpoints
         whole = "norm" in name or (replicated_kv and any(f"{p}_proj" in name for p in "qkv"))
-        bound += nbytes if whole else nbytes / world_size
+        rows = shape[1] if len(shape) == 2 and ("o_proj" in name or "down_proj" in name) else shape[0]
+        bound += nbytes if whole else nbytes * -(-rows // world_size) / rows
     return int(bound)
 
 
@@ -692,10 +730,27 @@ def test_fused_tp_matches_single_process(launched, world_size, name):
         assert result["vs_single"] <= TOLERANCE and result["vs_original"] <= TOLERANCE, result
         assert result["greedy_single"] and result["greedy_original"] and result["greedy_static"], result
         assert result["qkv_sizes"] == [heads // world_size * head_dim, local_kv * head_dim, local_kv * head_dim]
-        assert result["gate_up_sizes"] == [96 // world_size] * 2
+        rows, _ = Shard.local_shard_size_and_offset(overrides.get("intermediate_size", 96), world_size, rank)
+        assert result["gate_up_sizes"] == [rows] * 2 and result["down_proj_columns"] == rows, result
         assert result["kv_groups"] == heads // world_size // local_kv
         assert result["tied"] is bool(overrides.get("tie_word_embeddings", False))
         assert result["read_bytes"] <= read_bound(path, world_size, replicated), result
+
+
+def test_transformers_packed_colwise_does_not_read_the_fused_gate_up_layout(launched):
+    """Why the fused plan gives `gate_up_proj` fusegen's style and not Transformers' `packed_colwise`, although each
+    rank holds `[gate_r; up_r]`, the rows that style means (and that Transformers' `test_tp_backward` expects for
+    it): Transformers' loader applies a parameter's placement to each checkpoint tensor it reads, and the fused
+    model reads gate_proj and up_proj separately. `packed_colwise`'s `_StridedShard(0, sf=2)` then cuts EACH piece
+    in two halves and takes block r of each half (38 rows: rows 0-9 and 19-28 of gate_proj on rank 0, 20 rows;
+    rows 10-18 and 29-37 on rank 1, 18 rows), not block r of the piece (rows 0-18, 19 rows). fusegen's converter
+    refuses the wrong row count (CheckpointError), so the load fails loudly instead of running on wrong rows."""
+    _, per_rank = _results(launched, 2, "qwen2-mlp-38-packed-colwise")
+    for rank, result in enumerate(per_rank):
+        print(f"N=2 packed_colwise on the fused gate_up_proj, rank {rank}: {result['error']}")
+        rows = 20 if rank == 0 else 18
+        assert result["error"] is not None and result["error"].startswith("CheckpointError"), result
+        assert f"checkpoint pieces have sizes [{rows}, {rows}]" in result["error"], result
 
 
 def test_transformers_own_tp_for_reference(launched):
@@ -707,7 +762,7 @@ def test_transformers_own_tp_for_reference(launched):
         assert fused[rank]["read_bytes"] == result["read_bytes"]  # the fused model reads exactly the same slices
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-save", "llama-mqa-save"])
+@pytest.mark.parametrize("name", ["llama-gqa-save", "llama-mqa-save", "qwen2-mlp-37-save"])
 def test_tp_model_saves_the_canonical_checkpoint(launched, name):
     _, per_rank = _results(launched, 2, name)
     assert per_rank[0] == {"round_trip": True, "loading_info": {}}
@@ -725,7 +780,7 @@ def test_tp_placements_describe_what_each_rank_holds(launched, world_size, name)
         assert result["full_tensor_exact"] and result["redistribute_exact"] and result["grad_names_equal"], result
         assert result["sharded_count"] > 0 and result["every_full_tensor_exact"], result
         assert result["merged_grad_max_diff"] <= TOLERANCE and result["grad_max_diff"] <= TOLERANCE, result
-        assert result["checker_max_diff"] <= TOLERANCE, result
+        assert result["checker_max_diff"] <= TOLERANCE and result["local_vs_own_rows_max_diff"] <= TOLERANCE, result
         assert result["dcp_reload_vs_tp"] <= TOLERANCE, result
     assert per_rank[0]["dcp_keys_canonical"] and per_rank[0]["dcp_tensors_exact"], per_rank[0]
 
@@ -861,8 +916,23 @@ def test_partition_replicates_kv_heads_when_fewer_than_ranks():
 
 
 def test_partition_refuses_to_cut_a_unit():
-    with pytest.raises(ValueError, match=r"model X: piece sizes \[96, 96\].*N=5"):
-        partition_rows([96, 96], [96, 96], [False, False], 5, 0, what="model X")
+    # pieces of 6 units of 16 rows (heads): 4 processes cannot share them without cutting a head
+    with pytest.raises(ValueError, match=r"model X: piece sizes \[96, 96\].*N=4"):
+        partition_rows([96, 96], [6, 6], [False, False], 4, 0, what="model X")
+
+
+@pytest.mark.parametrize(("rows", "world_size"), [(37, 2), (37, 4), (90, 4), (3, 4), (5, 4), (96, 5), (64, 2)])
+def test_partition_splits_uneven_rows_as_dtensor_shards_them(rows, world_size):
+    """gate/up pieces (counted in rows) that do not divide by N get DTensor's `Shard(0)` blocks: torch's own
+    `Shard.local_shard_size_and_offset` is the reference (what Transformers' colwise gives the original's gate_proj
+    and up_proj, and its rowwise the down_proj columns), so every piece's blocks tile it, ceil-sized but the last."""
+    partitions = [partition_rows([rows, rows], [rows, rows], [False, False], world_size, r, what="m")
+                  for r in range(world_size)]  # fmt: skip
+    for rank, partition in enumerate(partitions):
+        size, start = Shard.local_shard_size_and_offset(rows, world_size, rank)
+        assert partition.sizes == (size, size) and (partition.starts == (start, start) or size == 0), partition
+        assert partition.shard_on_read and partition.replicated == (False, False)
+    assert sum(p.sizes[0] for p in partitions) == rows
 
 
 @pytest.mark.parametrize(
@@ -974,20 +1044,25 @@ def test_saving_splits_the_gathered_merged_tensor_into_q_k_v():
         ((8, 2, 2), (4, 1, 1), (False, True, True), 2),  # MQA: the kv head on both ranks
         ((8, 4, 4), (4, 2, 2), (False, True, True), 4),  # 2 kv heads at N=4: each shared by 2 ranks
         ((6, 6), (6, 6), (False, False), 2),  # gate/up
+        ((37, 37), (37, 37), (False, False), 2),  # gate/up of 37 rows: 19 and 18 rows per rank
+        ((90, 90), (90, 90), (False, False), 4),  # 23, 23, 23, 21
+        ((5, 5), (5, 5), (False, False), 4),  # 2, 2, 1 and none
     ],
 )
 def test_merged_row_shard_assembles_and_selects_each_ranks_rows(full_sizes, units, replicable, world_size):
     """What full_tensor() and redistribute do with the processes' local tensors, without processes: each rank's
     rows of [q; k; v] put back together give [q; k; v], each row once; selecting gives each rank its own rows."""
     partitions = [partition_rows(full_sizes, units, replicable, world_size, r, what="t") for r in range(world_size)]
-    placement = _merged_row_shard_class()(full_sizes, partitions[0].sizes, [p.starts for p in partitions])
+    sizes, starts = [p.sizes for p in partitions], [p.starts for p in partitions]
+    placement = _merged_row_shard_class()(full_sizes, sizes, starts)
     full = torch.arange(float(sum(full_sizes))).unsqueeze(1).repeat(1, 3)
     blocks = [placement.select_local(full, rank) for rank in range(world_size)]
     for partition, block in zip(partitions, blocks):
         assert torch.equal(block, torch.cat([full.narrow(0, s, n) for s, n in partition.merged_rows()]))
+        assert block.shape[0] == placement.local_rows(partition.rank)
     assert torch.equal(placement.assemble(blocks), full)
-    assert placement.even_pieces == all(partition.shard_on_read for partition in partitions)
-    assert placement == placement.__class__(full_sizes, partitions[0].sizes, [p.starts for p in partitions])
+    assert placement.chunked_pieces == all(partition.shard_on_read for partition in partitions)
+    assert placement == placement.__class__(full_sizes, sizes, starts)
     with pytest.raises(ValueError, match="do not cover"):
         placement.assemble(blocks[:1])
 

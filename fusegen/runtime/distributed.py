@@ -14,9 +14,10 @@ Why it is exact:
 - Saving: a piece is rows `[o_i, o_i + n_i)` of the true merged tensor, which DTensor gives honestly as
   `full_tensor()` (FSDP2's `Shard(0)`, tensor parallelism's merged placement, `fusegen.runtime.tp`). Each piece is
   that slice, distributed again over the same mesh with `Shard(0)` where the merged tensor was sharded (each rank
-  keeps its own chunk; no communication). When the merged placement says each rank holds an equal block of every
-  piece (`even_pieces`), that block IS the rank's `Shard(0)` chunk of the piece, so the pieces are views of the
-  local tensor and nothing is gathered.
+  keeps its own chunk; no communication). When the merged placement says each rank holds its `Shard(0)` block of
+  every piece (`chunked_pieces`: equal blocks, or DTensor's ceil-sized blocks of a piece that does not divide by
+  N), that block IS the rank's chunk of a `Shard(0)` DTensor of the piece, so the pieces are views of the local
+  tensor and nothing is gathered.
 - Loading (a load-state-dict pre-hook on the module owning the merged linear, which `load_state_dict` hands the
   pieces' keys): the pieces are put back together, `[p_0; p_1; ...]` by rows, and each rank copies its own rows of
   that into its local tensor, selected by the parameter's placement (`local_rows`). Pieces that are views of the
@@ -73,17 +74,17 @@ def piece_dtensors(merged: nn.Module, value) -> list:
 
     sizes = full_piece_sizes(merged, value)
     placements = value.placements
-    if len(placements) == 1 and getattr(placements[0], "even_pieces", False):
+    if len(placements) == 1 and getattr(placements[0], "chunked_pieces", False):
         local, offset, pieces = value.to_local(), 0, []
-        world_size = value.device_mesh.size()
-        for size in sizes:
+        local_sizes = placements[0].sizes[value.device_mesh.get_local_rank()]
+        for size, local_size in zip(sizes, local_sizes):
             shape = (size, *local.shape[1:])
-            view = local.narrow(0, offset, size // world_size)
+            view = local.narrow(0, offset, local_size)
             stride = torch.empty(shape, device="meta").stride()
             pieces.append(
                 DTensor.from_local(view, value.device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
             )
-            offset += size // world_size
+            offset += local_size
         return pieces
     full = value.full_tensor()
     target = _piece_placements(placements)

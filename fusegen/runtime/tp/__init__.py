@@ -30,7 +30,8 @@ weight; `model.state_dict()` lists the canonical pieces for distributed checkpoi
 
 Loading reads only each process's slices where the layout allows: Transformers' shard-on-read slices every checkpoint
 tensor by the placement of the parameter it feeds, one piece at a time, and `MergedRowShard` reads as `Shard(0)`, so
-the merged parameter gets exactly rows `[r*n, (r+1)*n)` of q, of k and of v. Replicated kv heads cannot be expressed
+the merged parameter gets exactly `Shard(0)` block r of q, of k and of v (of gate and of up: ceil(rows/N) rows, the
+last ranks fewer, when a piece of rows does not divide by N, as Transformers' `colwise` splits the original's). Replicated kv heads cannot be expressed
 as a placement Transformers' loader reads by; such a `qkv_proj` is read whole (one layer at a time),
 `PartitionedConcatenate` keeps this process's rows, and once loaded it takes its `MergedRowShard` (`describe_loaded`).
 

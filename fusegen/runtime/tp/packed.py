@@ -304,7 +304,7 @@ def apply_packed_tp_plan(model: nn.Module, group=None) -> dict[str, str]:
         check_head_counts(module.tp_name, heads, kv_heads, world_size)
         rows, units, replicable = zip(*pieces)
         partition = partition_rows(rows, units, replicable, world_size, rank, what=module.tp_name)
-        if not partition.shard_on_read and _is_conv1d(getattr(module, layout.packed)):
+        if any(partition.replicated) and _is_conv1d(getattr(module, layout.packed)):
             # the gradient hook for replicated kv heads sums rows along dim 0; a Conv1D weight holds them along dim 1
             raise ValueError(f"{module.tp_name}: replicated kv heads in a Conv1D projection are not supported")
         partitions.append((path, module, layout, heads, kv_heads, partition))
@@ -317,7 +317,7 @@ def apply_packed_tp_plan(model: nn.Module, group=None) -> dict[str, str]:
         _keep_output_rows(packed, partition.merged_rows())
         _localise_layout(packed, partition)
         _column_parallel_input(packed, group)
-        if not partition.shard_on_read:  # replicated kv heads: each sharing process holds part of their gradient
+        if any(partition.replicated):  # replicated kv heads: each sharing process holds part of their gradient
             for parameter in packed.parameters(recurse=False):
                 if parameter.requires_grad:
                     parameter.register_hook(replicated_rows_summed(partition, group))

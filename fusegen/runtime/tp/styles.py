@@ -23,7 +23,7 @@ except ImportError:
 
 from ..layout import require_contiguous
 from ..linear import absent_bias_pieces
-from .partition import RowPartition, check_head_counts, partition_rows
+from .partition import RowPartition, check_head_counts, dtensor_chunk, partition_rows
 from .spec_equality import keep_merged_specs_apart
 
 MERGED_COLWISE = "fusegen_merged_colwise"
@@ -139,7 +139,7 @@ def _hook_replicated_gradients(module: nn.Module, mesh) -> None:
     Done at forward time, once per parameter object, because loading replaces the parameters built by `shard_param`.
     """
     partition = getattr(module, "tp_partition", None)
-    if partition is None or partition.shard_on_read:
+    if partition is None or not any(partition.replicated):
         return
     for parameter in module.parameters(recurse=False):
         if parameter.requires_grad and not getattr(parameter, "_fusegen_sums_replicated", False):
@@ -160,8 +160,8 @@ def replicated_rows_summed(partition: RowPartition, group):
 
     replicated = [
         (index, full // size)
-        for index, (full, size) in enumerate(zip(partition.full_sizes, partition.sizes))
-        if size * partition.world_size != full
+        for index, (full, size, shared) in enumerate(zip(partition.full_sizes, partition.sizes, partition.replicated))
+        if shared
     ]
     offsets = [sum(partition.sizes[:index]) for index in range(len(partition.sizes))]
 
@@ -200,8 +200,8 @@ def _partition(module: nn.Module, mesh) -> RowPartition:
     replicable = getattr(module, "tp_replicable", None) or [False] * len(full_sizes)
     partition = partition_rows(full_sizes, units, replicable, world_size, rank, what=model_name(module))
     module.tp_partition = partition
-    module.tp_layout = tuple(
-        partition_rows(full_sizes, units, replicable, world_size, other, what=model_name(module)).starts
+    module.tp_layout = tuple(  # every process's partition: what the placement records (`merged_row_shard`)
+        partition_rows(full_sizes, units, replicable, world_size, other, what=model_name(module))
         for other in range(world_size)
     )
     module.output_sizes[:] = partition.sizes  # in place: the owner's `<merged>_sizes` is this same list
@@ -222,29 +222,35 @@ def _merged_row_shard_class():
         """Placement of a merged linear's weight (or bias) under tensor parallelism: what each process really holds.
 
         The global tensor is the true merged weight `[p_0; p_1; ...]` (pieces of `full_sizes` rows, e.g. q, k, v);
-        process r holds, stacked, `sizes[i]` rows of each piece i from row `starts[r][i]` of that piece: block r of
-        q, and block r of k and v, or, with fewer kv heads than processes, the kv head its query heads read (the
-        same rows on the N/KV processes sharing it). No built-in placement says that (`Shard(0)` would mean rows
-        `[r*n, (r+1)*n)` of the merged tensor; `_StridedShard` only fits equal pieces), so gathering
-        (`full_tensor()`, redistributing to `Replicate`) puts each piece together from the processes' blocks, each
-        row taken once (`assemble`), and going back to this placement keeps each process's rows (`select_local`).
-        Gradients and optimizer states share the parameter's placement.
+        process r holds, stacked, `sizes[r][i]` rows of each piece i from row `starts[r][i]` of that piece: block r
+        of q, and block r of k and v, or, with fewer kv heads than processes, the kv head its query heads read (the
+        same rows on the N/KV processes sharing it); for gate/up pieces that do not divide by N, DTensor's block r
+        of each (ceil(rows/N) rows, the last ones fewer), so processes hold different row counts. No built-in
+        placement says that (`Shard(0)` would mean rows `[r*n, (r+1)*n)` of the merged tensor; `_StridedShard` only
+        fits equal pieces), so gathering (`full_tensor()`, redistributing to `Replicate`) puts each piece together
+        from the processes' blocks, each row taken once (`assemble`), and going back to this placement keeps each
+        process's rows (`select_local`). Gradients and optimizer states share the parameter's placement.
 
         It compares equal to `Shard(0)` on purpose: DTensor validates shard placements against `Shard(dim)`, and
-        Transformers' loader must read each checkpoint piece as `Shard(0)` (block r of q, of k, of v), which is
-        exactly this layout when every piece is split evenly (`even_pieces`). A merged linear with replicated kv
-        heads is read whole instead, as `Replicate`, and takes this placement once loaded (`describe_loaded`).
-        Its hash is its row layout's, unlike `Shard(0)`'s, and a `DTensorSpec` holding it equals only a spec holding
-        the same row layout (`spec_equality`, installed below): DTensor's sharding caches, keyed by specs, never
-        hand one tensor's result to the other. Distributed checkpoints see the canonical pieces
-        (`fusegen.runtime.distributed`).
+        Transformers' loader must read each checkpoint piece as `Shard(0)` (block r of q, of k, of v, of gate, of
+        up), which is exactly this layout when every piece is split as `Shard(0)` splits it (`chunked_pieces`). A
+        merged linear with replicated kv heads is read whole instead, as `Replicate`, and takes this placement once
+        loaded (`describe_loaded`). Its hash is its row layout's, unlike `Shard(0)`'s, and a `DTensorSpec` holding
+        it equals only a spec holding the same row layout (`spec_equality`, installed below): DTensor's sharding
+        caches, keyed by specs, never hand one tensor's result to the other. Distributed checkpoints see the
+        canonical pieces (`fusegen.runtime.distributed`).
         """
 
         def __init__(self, full_sizes, sizes, starts):
+            """`sizes`: every process's piece sizes (one tuple per process), or one tuple shared by all."""
             super().__init__(0)
             self.full_sizes = tuple(int(size) for size in full_sizes)
-            self.sizes = tuple(int(size) for size in sizes)
             self.starts = tuple(tuple(int(start) for start in rank) for rank in starts)
+            per_rank = len(sizes) and isinstance(sizes[0], (tuple, list))
+            rank_sizes = sizes if per_rank else [sizes] * len(self.starts)
+            self.sizes = tuple(tuple(int(size) for size in rank) for rank in rank_sizes)
+            if len(self.sizes) != len(self.starts):
+                raise ValueError(f"{len(self.sizes)} processes' sizes for {len(self.starts)} processes' starts")
 
         def __eq__(self, other):
             if type(other) is type(self):
@@ -260,40 +266,57 @@ def _merged_row_shard_class():
             return self.full_sizes, self.sizes, self.starts
 
         def __repr__(self):
-            return f"MergedRowShard(full_sizes={list(self.full_sizes)}, sizes={list(self.sizes)})"
+            return f"MergedRowShard(full_sizes={list(self.full_sizes)}, sizes={[list(s) for s in self.sizes]})"
 
         @property
-        def even_pieces(self) -> bool:
-            """Process r holds block r of N equal blocks of every piece (its rows are its `Shard(0)` chunk of it)."""
+        def chunked_pieces(self) -> bool:
+            """Process r holds its `Shard(0)` block of every piece (`dtensor_chunk`: N equal blocks, or ceil-sized
+            ones with shorter last ones), so its rows of piece i are a `Shard(0)` DTensor's local tensor."""
             world_size = len(self.starts)
             return all(
-                size * world_size == full and starts[i] == rank * size
+                (starts[i], self.sizes[rank][i]) == dtensor_chunk(full, world_size, rank)
                 for rank, starts in enumerate(self.starts)
-                for i, (full, size) in enumerate(zip(self.full_sizes, self.sizes))
+                for i, full in enumerate(self.full_sizes)
             )
+
+        def local_rows(self, rank: int) -> int:
+            """How many rows process `rank` holds."""
+            return sum(self.sizes[rank])
 
         def select_local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
             """Process `rank`'s rows of the whole merged tensor `full`."""
             offsets = [sum(self.full_sizes[:i]) for i in range(len(self.full_sizes))]
-            rows = zip(offsets, self.starts[rank], self.sizes)
+            rows = zip(offsets, self.starts[rank], self.sizes[rank])
             return torch.cat([full.narrow(0, offset + start, size) for offset, start, size in rows])
 
         def assemble(self, blocks) -> torch.Tensor:
             """The whole merged tensor from every process's local tensor (`blocks[r]`), each row taken once."""
             pieces = []
-            for i, (full, size) in enumerate(zip(self.full_sizes, self.sizes)):
+            for i, full in enumerate(self.full_sizes):
                 found = {}
                 for rank, block in enumerate(blocks):
-                    found.setdefault(self.starts[rank][i], block.split(list(self.sizes), dim=0)[i])
-                if sorted(found) != list(range(0, full, size)):
+                    if self.sizes[rank][i]:
+                        found.setdefault(self.starts[rank][i], block.split(list(self.sizes[rank]), dim=0)[i])
+                covered = 0
+                for start in sorted(found):  # the blocks must tile the piece: each row once, none missing
+                    if start != covered:
+                        break
+                    covered += found[start].shape[0]
+                if covered != full or sum(found[start].shape[0] for start in found) != full:
                     raise ValueError(f"{self!r}: the processes' rows do not cover piece {i} ({sorted(found)})")
                 pieces.extend(found[start] for start in sorted(found))
             return torch.cat(pieces, dim=0)
 
         def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
             count = mesh.size(mesh_dim=mesh_dim)
-            gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=0, group=(mesh, mesh_dim))
-            return self.assemble(gathered.chunk(count, dim=0))
+            rows = [self.local_rows(rank) for rank in range(count)]
+            local = local_tensor.contiguous()
+            if local.shape[0] < max(rows):  # all-gather needs equal blocks: pad, then cut each block to its rows
+                pad = local.new_zeros((max(rows) - local.shape[0], *local.shape[1:]))
+                local = torch.cat([local, pad])
+            gathered = funcol.all_gather_single(local, gather_dim=0, group=(mesh, mesh_dim))
+            blocks = [block.narrow(0, 0, n) for block, n in zip(gathered.chunk(count, dim=0), rows)]
+            return self.assemble(blocks)
 
         def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
             return self.select_local(local_tensor, int(shard_index)).clone()
@@ -308,13 +331,15 @@ _MERGED_ROW_SHARD = None
 def merged_row_shard(module: nn.Module):
     """The honest placement of `module`'s (a tensor-parallel merged linear's) parameters."""
     partition = module.tp_partition
-    return _merged_row_shard_class()(partition.full_sizes, partition.sizes, module.tp_layout)
+    layout = module.tp_layout
+    return _merged_row_shard_class()(partition.full_sizes, [p.sizes for p in layout], [p.starts for p in layout])
 
 
 def _local_dtensor(module: nn.Module, tensor: torch.Tensor, partition: RowPartition, mesh):
     """This process's rows as a DTensor whose placement says what it holds.
 
-    Evenly split pieces: `MergedRowShard` (global view = the true merged tensor, so `full_tensor()` is it). Replicated
+    Pieces split as `Shard(0)` splits them (equal blocks, or DTensor's ceil-sized blocks of a piece of rows that does
+    not divide by N): `MergedRowShard` (global view = the true merged tensor, so `full_tensor()` is it). Replicated
     kv heads (fewer kv heads than processes) are marked `Replicate` while Transformers loads them (so it reads the
     pieces whole, see `PartitionedConcatenate`) and take their `MergedRowShard` when loading is done
     (`describe_loaded`).
