@@ -184,15 +184,23 @@ def test_two_classes_of_one_name_in_one_tree_are_refused(other):
 
 
 @pytest.mark.parametrize(
-    "parent, composed", [("attn", True), ("vision.attn", True), ("self_attn", False), ("vision.self_attn", False)]
+    "head, parent, composed",
+    [
+        ("attn", "attn", True),
+        ("attn", "vision.attn", True),
+        ("attn", "self_attn", True),  # Transformers searches `attn\.in_proj_weight` in `...self_attn.in_proj_weight`
+        ("self_attn", "attn", False),
+        ("attn", "attention", False),
+        ("attn", "attn.inner", False),
+    ],
 )
-def test_an_original_converter_is_composed_with_a_merge_only_at_its_own_path(parent, composed):
-    # The original chunks `attn.in_proj_weight` into `attn.{q,k,v}_proj.weight`; a merge of q/k/v held under `parent`
-    # takes those pieces only when `parent` ends with the segment `attn`: `self_attn` ends with the text, not the
-    # segment, and its pieces are another module's.
+def test_an_original_converter_is_composed_with_the_merge_its_pieces_reach(head, parent, composed):
+    # The original chunks `{head}.in_proj_weight` into `{head}.{q,k,v}_proj.weight`. Transformers applies that pattern
+    # wherever its text occurs in a key, so its pieces are the merge's exactly when `{parent}.` ends with `{head}.`
+    # as text (Step3p7: `attn` converts the keys of `self_attn`, whose merge must then take the pieces).
     chunk = WeightConverter(
-        source_patterns="attn.in_proj_weight",
-        target_patterns=["attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight"],
+        source_patterns=f"{head}.in_proj_weight",
+        target_patterns=[f"{head}.q_proj.weight", f"{head}.k_proj.weight", f"{head}.v_proj.weight"],
         operations=[Chunk(dim=0)],
     )
     register_checkpoint_conversion_mapping("SegmentProbeModel", [chunk], overwrite=True)

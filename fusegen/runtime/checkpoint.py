@@ -316,13 +316,14 @@ def conversions_signature(conversions: list) -> tuple:
     )
 
 
-def _segments_end_with(parent: str, head: str) -> bool:
-    """Whether the dotted name `parent` ends with the dotted name `head`, segment by segment (`vision.attn` ends with
-    `attn`; `self_attn` does not). An empty side leaves the place unpinned, so it matches."""
-    if not parent or not head:
-        return True
-    wanted = head.split(".")
-    return parent.split(".")[-len(wanted) :] == wanted
+def _reaches(parent: str, head: str) -> bool:
+    """Whether pieces the original converter names `{head}q_proj...` are the pieces of a merge held under `parent`.
+
+    By text, not by whole segments, because that is how Transformers applies the original converter: its patterns are
+    searched in the key unanchored, so Step3p7's `attn\\.in_proj_weight` converts `...self_attn.in_proj_weight` into
+    `...self_attn.q_proj.weight`, the pieces of the merge under `self_attn` (tests/test_checkpoint_renames.py). So the
+    pieces reach the merge exactly when `parent.` ends with `head` as text; an empty side leaves the place unpinned."""
+    return not head or not parent or (parent + ".").endswith(head)
 
 
 _PIECE_RE = re.compile(r"(?P<head>(?:[A-Za-z_]\w*\.)*?)(?P<piece>[A-Za-z_]\w*)(?P<tail>\.(?:weight|bias))?")
@@ -348,7 +349,7 @@ def _composed(conversion, stacked: list) -> WeightConverter | None:
         if [name.rpartition(".")[2] for name in names] != pieces or len(parents) != 1:
             continue
         parent = parents.pop()
-        if not _segments_end_with(parent, head.removesuffix(".")):
+        if not _reaches(parent, head):
             continue
         merged = merge._original_target_patterns[0].rpartition(".")[2]
         return WeightConverter(
