@@ -30,6 +30,27 @@ def case_path(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
+@pytest.fixture
+def reload_module():
+    """`reload_module(name)` re-executes an imported module, as a process may (a re-import, `importlib.reload`); each
+    module's first namespace is put back afterwards, so no later test sees the reloaded classes. fusegen.runtime.tp
+    is imported first: importing it while the reloaded classes are in place would bind it to them for good."""
+    import importlib
+
+    importlib.import_module("fusegen.runtime.tp")
+    saved = []
+
+    def reload(name):
+        module = sys.modules[name]
+        saved.append((module, dict(module.__dict__)))
+        return importlib.reload(module)
+
+    yield reload
+    for module, namespace in reversed(saved):
+        module.__dict__.clear()
+        module.__dict__.update(namespace)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `vllm` need the vLLM venv (.ci/vllm.sh); they run only when `-m` names the marker (`-m vllm`).
 

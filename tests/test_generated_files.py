@@ -113,6 +113,7 @@ def test_importing_a_generated_file_loads_no_compiler_machinery():
         "fusegen.runtime.strict",
         "fusegen.runtime.peft",  # imports PEFT only inside its functions, see tests/test_ecosystem.py
         "fusegen.runtime.quant",  # torch only: quantizer support, imported by checkpoint.py
+        "fusegen.runtime.registry",  # which conversions a model registers; register_stacked_checkpoint
         "fusegen.runtime.version",  # stdlib only: the source check at the top of every generated file
         "fusegen.runtime.streaming",
         "fusegen.runtime.layout",  # torch only: the merged linears' row layout

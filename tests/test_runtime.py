@@ -8,7 +8,6 @@ classes. Everything is tiny, fp32, CPU and offline.
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import logging
 import os
@@ -427,11 +426,11 @@ def test_rejects_bad_mappings(stacked, parents):
         build_stacked_converters(stacked, parents)
 
 
-def test_re_registering_and_reloading(tmp_path):
+def test_re_registering_and_reloading(tmp_path, reload_module):
     """Generated modules register at import time, so re-import / reload must be harmless."""
     register_stacked_checkpoint("FusedLlamaModel", STACKED_PARAMS_MAPPING, parents=PARENTS)
-    importlib.reload(fusegen.runtime.checkpoint)
-    importlib.reload(fusegen.runtime)
+    reload_module("fusegen.runtime.checkpoint")
+    reload_module("fusegen.runtime")
     fusegen.runtime.register_stacked_checkpoint(["FusedLlamaModel"], STACKED_PARAMS_MAPPING, parents=PARENTS)
     # A model built with the pre-reload MergedColumnLinear class still round-trips through the new converters.
     original = _original(_config("gqa"))

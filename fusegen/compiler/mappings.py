@@ -62,7 +62,7 @@ def checkpoint_classes(
         # The original root's own class-keyed renames (Qwen2.5-VL's legacy `model.layers.*` -> the nested language
         # model's keys) are found by class name; the fused root is looked up by its own name, so it is registered
         # too, carrying them (`register_stacked_checkpoint` copies the original's conversions for each name, and
-        # `fusegen.runtime.checkpoint.register_for_tree` its model type's where it has no class-keyed ones).
+        # `fusegen.runtime.registry.register_for_tree` its model type's where it has no class-keyed ones).
         names.append(renames[root])
     return sorted(set(names)) or [renames[root]]
 

@@ -1025,8 +1025,9 @@ class _isolated:
     """Import `text` as a module for the duration of the block, then undo every trace of it.
 
     Undone: the module's `sys.modules` entry and its source in `linecache`, the checkpoint conversions it registers
-    in Transformers at import time (so a build never changes how later loads behave), the RNG state, and the
-    thread count (one thread: tiny models run faster without the pool, and the machine is shared).
+    in Transformers at import time and fusegen's record of its merges (`fusegen.runtime.registry.restored_registry`;
+    so a build never changes how later loads behave), the RNG state, and the thread count (one thread: tiny models
+    run faster without the pool, and the machine is shared).
     """
 
     def __init__(self, text: str, target):
@@ -1035,11 +1036,10 @@ class _isolated:
         self.name = f"fusegen_validating_{target.model_type}_{id(self):x}"
 
     def __enter__(self) -> types.ModuleType:
-        from transformers import conversion_mapping
+        from fusegen.runtime.registry import restored_registry
 
-        conversion_mapping.get_checkpoint_conversion_mapping("llama")  # builds the cache, so it can be restored
-        self.saved_cache = dict(conversion_mapping._checkpoint_conversion_mapping_cache)
-        self.saved_user = set(conversion_mapping.USER_REGISTERED_MAPPINGS)
+        self.registry = restored_registry()
+        self.registry.__enter__()
         self.rng = torch.random.get_rng_state()
         self.threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -1057,13 +1057,7 @@ class _isolated:
         return module
 
     def __exit__(self, *exc) -> None:
-        from transformers import conversion_mapping
-
-        cache = conversion_mapping._checkpoint_conversion_mapping_cache
-        cache.clear()
-        cache.update(self.saved_cache)
-        conversion_mapping.USER_REGISTERED_MAPPINGS.clear()
-        conversion_mapping.USER_REGISTERED_MAPPINGS.update(self.saved_user)
+        self.registry.__exit__(None, None, None)
         sys.modules.pop(self.name, None)
         linecache.cache.pop(self.filename, None)
         torch.random.set_rng_state(self.rng)

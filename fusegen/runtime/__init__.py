@@ -8,12 +8,7 @@ from . import format_composers as _format_composers  # noqa: F401 (registers its
 from . import peft as _peft
 from .auto import register_fused_causal_lm
 from .auto import save_pretrained as save_pretrained_canonically
-from .checkpoint import (
-    MergedColumnConcatenate,
-    MergedColumnSplit,
-    build_stacked_converters,
-    register_stacked_checkpoint,
-)
+from .checkpoint import MergedColumnConcatenate, MergedColumnSplit, build_stacked_converters
 from .files import CheckpointError
 from .layout import RowLayout
 from .linear import MergedColumnLinear, linear_pieces, merged_piece
@@ -21,6 +16,7 @@ from .loading import load_checkpoint, load_weights
 from .peft import AdapterError
 from .peft import load_adapter as load_adapter_packed
 from .pretrained import FusedPreTrainedMixin, fused_from_pretrained
+from .registry import register_stacked_checkpoint
 from .saving import save_checkpoint
 from .strict import check_loading
 from .version import StaleGeneratedFile, check_source

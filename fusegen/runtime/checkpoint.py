@@ -16,23 +16,20 @@ skipped, and the base model's converters get scoped to its sub-module, which wit
 keys with or without the `model.` prefix. That also covers `FusedLlamaModel.from_pretrained` on a ForCausalLM checkpoint.
 Registering the head class as well is harmless (Transformers applies at most one converter per key, and both copies are
 identical), only redundant.
+
+This module builds the converters; which ones a model's classes get registered with, and when, is
+`fusegen/runtime/registry.py`.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from copy import deepcopy
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.conversion_mapping import (
-    USER_REGISTERED_MAPPINGS,
-    get_checkpoint_conversion_mapping,
-    register_checkpoint_conversion_mapping,
-)
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
 from .layout import layout_of
@@ -284,96 +281,49 @@ def build_stacked_converters(
     return converters
 
 
-def _check_registrable(class_name: str) -> None:
-    """Refuse names whose registration would change how ORIGINAL Transformers models load or save.
+def with_merges(original: list, stacked: list, merge_op: type | None = None) -> list:
+    """The conversions to register for a fused class: its original's `original` (what Transformers gives the
+    original class at one place of a tree) and its merge converters `stacked`, all copies.
 
-    Transformers looks mappings up by class name and then by `model_type`, so registering `"llama"` or `"LlamaModel"`
-    would make stock Llama checkpoints go through our converters. Fused class names never collide with these.
-    """
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if not isinstance(class_name, str) or not class_name.isidentifier():
-        raise ValueError(f"class name must be an identifier, got {class_name!r}")
-    builtin = get_checkpoint_conversion_mapping(class_name) is not None and class_name not in USER_REGISTERED_MAPPINGS
-    if builtin or class_name in CONFIG_MAPPING_NAMES or hasattr(transformers, class_name):
-        raise ValueError(f"{class_name!r} belongs to Transformers itself; register the fused class names instead")
-
-
-def register_stacked_checkpoint(
-    class_names: str | Sequence[str],
-    stacked: Mapping[str, Sequence[Any]],
-    parents: Mapping[str, Sequence[str]] | None = None,
-) -> list[WeightConverter]:
-    """Make `from_pretrained`/`save_pretrained` of the given classes read and write the canonical unfused layout.
-
-    `class_names`: the fused `PreTrainedModel` class names whose checkpoints use the canonical layout; the base model
-    (e.g. `"FusedLlamaModel"`) is enough, see the module docstring. `stacked`: merged linear name -> ordered pieces,
-    e.g. `{"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}`; the order must match the module's
-    `output_sizes`. `parents`: merged linear name -> attribute names of the modules holding it (e.g. `["self_attn"]`),
-    under every config of the model (the compiler reads them off the source, `fusegen.compiler.scopes.checkpoint_scopes`); a merged
-    name without an entry is matched by bare piece names. A holder under an attribute not listed is left unfilled,
-    which the generated classes refuse (`fusegen.runtime.check_loading`) rather than initialise randomly.
-
-    Transformers looks a model's conversions up by class name first, then by model type (the original
-    `AriaTextModel` has none of its own and gets `"aria_text"`'s, which renames the legacy `experts.fc1` to the
-    stacked `experts.gate_up_proj`). A fused class registered here is found by its own name, so the model-type
-    lookup would never happen for it: it is registered with the class-keyed ones here, and with what the original
-    gets at its place in each model built (`register_for_tree`). (Unregistered fused classes are looked up by
-    model type as the original is, because generated classes declare themselves library code, see
-    `FusedPreTrainedMixin.is_custom_code` in fusegen/runtime/pretrained.py.)
-
-    Re-registering (re-import, `importlib.reload`) overwrites silently, because generated modules register at import
-    time. Returns the converters built (a copy is registered per class name).
-    """
-    names = [class_names] if isinstance(class_names, str) else list(class_names)
-    stacked_converters = build_stacked_converters(stacked, parents)
-    for name in names:
-        _check_registrable(name)
-    module = sys._getframe(1).f_globals.get("__name__", "")  # the generated module defining the classes
-    for name in names:
-        _REGISTERED[(module, name)] = stacked_converters
-        _register(module, name, get_checkpoint_conversion_mapping(name.removeprefix("Fused")) or [])
-    return stacked_converters
+    An original converter whose outputs are exactly one merged linear's pieces is composed with that merge (`_composed`)
+    and listed last: saving reverses the list, so the original's legacy tensor is written as the original writes it.
+    `merge_op`: a subclass of `MergedColumnConcatenate` put in place of it in the merges (tensor parallelism's
+    `PartitionedConcatenate`), so the choice is part of what is registered, not an edit of it afterwards."""
+    kept, composed = [], []
+    for conversion in original:
+        merge = _composed(conversion, stacked)
+        (composed if merge is not None else kept).append(merge if merge is not None else conversion)
+    conversions = deepcopy([*kept, *stacked, *composed])
+    if merge_op is not None:
+        for conversion in conversions:
+            operations = getattr(conversion, "operations", [])
+            for index, op in enumerate(operations):
+                if type(op) is MergedColumnConcatenate:
+                    operations[index] = merge_op(op.dim)
+    return conversions
 
 
-_REGISTERED: dict[tuple[str, str], list[WeightConverter]] = {}
-"""`(module, fused class name)` -> the merge converters `register_stacked_checkpoint` registered for it. Keyed by
-module as well: two generated modules may define classes of one name with different merges (a test's own build of a
-type beside the checked-in file), and a tree must get its own classes' converters."""
-
-_APPLIED: dict[str, tuple] = {}
-"""Fused class name -> (module, the original's conversions) of what is registered under that name now."""
-
-
-def _signature(conversions: list) -> tuple:
-    """What identifies a list of conversions: each one's kind, patterns and operations."""
+def conversions_signature(conversions: list) -> tuple:
+    """What identifies a list of conversions: each one's kind, patterns and operations (their kinds)."""
     return tuple(
         (
             type(c).__name__,
-            tuple(getattr(c, "source_patterns", ())),
-            tuple(getattr(c, "target_patterns", ())),
+            tuple(getattr(c, "_original_source_patterns", getattr(c, "source_patterns", ()))),
+            tuple(getattr(c, "_original_target_patterns", getattr(c, "target_patterns", ()))),
             tuple(type(op).__name__ for op in getattr(c, "operations", ())),
         )
         for c in conversions
     )
 
 
-def _register(module: str, name: str, original: list, again: bool = True) -> None:
-    """Register `name`'s conversions: the original's `original`, with `module`'s merges. `again=False` (a model
-    being built, `register_for_tree`) leaves the registry untouched when it already holds exactly these, so what a
-    later step changed in place there (tensor parallelism's `use_partitioned_concatenate`) is kept."""
-    applied = (module, _signature(original))
-    if not again and _APPLIED.get(name) == applied:
-        return
-    _APPLIED[name] = applied
-    stacked = _REGISTERED[(module, name)]
-    kept, composed = [], []
-    for conversion in original:
-        merge = _composed(conversion, stacked)
-        (composed if merge is not None else kept).append(merge if merge is not None else conversion)
-    # Composed last: saving reverses the list, so the original's legacy tensor is written as the original writes it.
-    register_checkpoint_conversion_mapping(name, deepcopy([*kept, *stacked, *composed]), overwrite=True)
+def _reaches(parent: str, head: str) -> bool:
+    """Whether pieces the original converter names `{head}q_proj...` are the pieces of a merge held under `parent`.
+
+    By text, not by whole segments, because that is how Transformers applies the original converter: its patterns are
+    searched in the key unanchored, so Step3p7's `attn\\.in_proj_weight` converts `...self_attn.in_proj_weight` into
+    `...self_attn.q_proj.weight`, the pieces of the merge under `self_attn` (tests/test_checkpoint_renames.py). So the
+    pieces reach the merge exactly when `parent.` ends with `head` as text; an empty side leaves the place unpinned."""
+    return not head or not parent or (parent + ".").endswith(head)
 
 
 _PIECE_RE = re.compile(r"(?P<head>(?:[A-Za-z_]\w*\.)*?)(?P<piece>[A-Za-z_]\w*)(?P<tail>\.(?:weight|bias))?")
@@ -399,7 +349,7 @@ def _composed(conversion, stacked: list) -> WeightConverter | None:
         if [name.rpartition(".")[2] for name in names] != pieces or len(parents) != 1:
             continue
         parent = parents.pop()
-        if not (parent + ".").endswith(head) and not (head == "" or parent == ""):
+        if not _reaches(parent, head):
             continue
         merged = merge._original_target_patterns[0].rpartition(".")[2]
         return WeightConverter(
@@ -466,64 +416,3 @@ class SplitThen(ConversionOps):
     @property
     def reverse_op(self) -> ConversionOps:
         return ThenMerge([op.reverse_op for op in self.operations[::-1]], self.sources, self.pieces)
-
-
-def register_for_tree(root: nn.Module) -> None:
-    """Register each fused class of `root`'s tree with the conversions Transformers gives its original THERE.
-
-    Transformers (`get_model_conversion_mapping`) walks the `PreTrainedModel`s of a model and looks each up by class
-    name, else by model type; a model whose class or (looked up by type) model type an ancestor already got is
-    skipped, since the ancestor's conversions cover its keys. A fused class that fusegen registered is always found
-    by its own name, so the model-type lookup never happens for it. Here the same walk is made with the ORIGINAL
-    class names, and each registered fused class gets what its original got at its place: its class-keyed
-    conversions, its model type's (the original `AriaTextModel` under `AriaForConditionalGeneration` gets
-    `"aria_text"`'s, which rename the legacy `experts.fc1` to the stacked `experts.gate_up_proj`), or nothing (the
-    original `Inkling2Model` under `Inkling2ForConditionalGeneration`, whose `"inkling2"` conversions are unscoped at
-    the root already: applied twice, `position_embedding` would become `position_embedding.weight.weight`).
-
-    Which it is depends on the tree, so this runs for each built model (`FusedPreTrainedMixin.post_init`: the
-    root's runs last, right before `from_pretrained` looks the conversions up) and again before each later lookup
-    (saving, adapters, `load_checkpoint`'s renames). A fused class that sits at two places with different answers
-    keeps the conversions of the first place (rare: two sub-models of one class under different model types).
-    """
-    from transformers import PreTrainedModel
-
-    claimed: dict[str, list[str]] = {}
-    decided: dict[str, list] = {}
-    for path, module in root.named_modules():
-        if not isinstance(module, PreTrainedModel):
-            continue
-        name = type(module).__name__
-        key = (type(module).__module__, name)
-        original = name.removeprefix("Fused") if key in _REGISTERED else name
-        model_type = getattr(module.config, "model_type", None)
-        found = _original_walk_step(module, path, original, model_type, claimed)
-        if key in _REGISTERED:
-            decided.setdefault(key, found or [])
-    for (module_name, name), found in decided.items():
-        _register(module_name, name, found, again=False)
-
-
-def _original_walk_step(module, path: str, original: str, model_type: str | None, claimed: dict) -> list | None:
-    """One step of Transformers' walk, for the original class `original` at `path`: its conversions (None: none),
-    recording in `claimed` what it claims for its descendants."""
-    registered = original in USER_REGISTERED_MAPPINGS or model_type in USER_REGISTERED_MAPPINGS
-    custom = module.is_custom_code() and not registered
-    if custom or _under(path, claimed.get(original, ())):
-        return None
-    found = get_checkpoint_conversion_mapping(original)
-    by_class = found is not None
-    if not by_class:
-        if model_type and _under(path, claimed.get(model_type, ())):
-            return None
-        found = get_checkpoint_conversion_mapping(model_type) if model_type is not None else None
-    if found is None:
-        return None
-    claimed.setdefault(original, []).append(path)
-    if not by_class and model_type:
-        claimed.setdefault(model_type, []).append(path)
-    return found
-
-
-def _under(path: str, ancestors) -> bool:
-    return any(seen == "" or path.startswith(seen + ".") for seen in ancestors)

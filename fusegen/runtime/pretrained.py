@@ -122,7 +122,8 @@ def save_canonical(model) -> None:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
-    from .checkpoint import MergedColumnConcatenate, register_for_tree
+    from .checkpoint import MergedColumnConcatenate
+    from .registry import register_for_tree
 
     register_for_tree(model)
     merges = [
@@ -207,10 +208,10 @@ class FusedPreTrainedMixin:
 
     def post_init(self):
         """Transformers' post_init; then the fused classes of this model's tree get the checkpoint conversions their
-        originals get at their places (`fusegen.runtime.checkpoint.register_for_tree`): the root's post_init runs
+        originals get at their places (`fusegen.runtime.registry.register_for_tree`): the root's post_init runs
         last, right before `from_pretrained` looks them up."""
         super().post_init()
-        from .checkpoint import register_for_tree
+        from .registry import register_for_tree
 
         register_for_tree(self)
 
@@ -284,8 +285,7 @@ class FusedPreTrainedMixin:
 
         Conversions that cannot be reversed are left out while saving (see `reversible_conversions`)."""
         from .auto import save_pretrained as save_pretrained_canonically
-
-        from .checkpoint import register_for_tree
+        from .registry import register_for_tree
 
         register_for_tree(self)  # a model built after this one may have registered its own tree's conversions
         used = getattr(self, "_weight_conversions", None)
@@ -299,8 +299,8 @@ class FusedPreTrainedMixin:
 
     def load_adapter(self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, **kwargs):
         """Transformers' load_adapter, with canonical (per-projection) LoRA tensors packed onto the merged linears."""
-        from .checkpoint import register_for_tree
         from .peft import load_adapter as load_adapter_packed
+        from .registry import register_for_tree
 
         register_for_tree(self)
 

@@ -45,7 +45,7 @@ def _renamings(model: nn.Module) -> list:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
-    from .checkpoint import register_for_tree
+    from .registry import register_for_tree
 
     if not isinstance(model, PreTrainedModel):
         return []

@@ -105,10 +105,7 @@ def prepare_tensor_parallel(model: PreTrainedModel, tp_plan: Mapping[str, str] |
     stacked = getattr(sys.modules.get(type(model).__module__), "STACKED_PARAMS_MAPPING", None) or {}
     for _, base in planned:
         check_plan_honoured(base, tp_plan, stacked)
-    generated = type(model).__module__
-    for value in vars(sys.modules.get(generated, object)).values():  # each class of the file with conversions
-        if isinstance(value, type) and issubclass(value, PreTrainedModel) and value.__module__ == generated:
-            use_partitioned_concatenate(value.__name__)
+    use_partitioned_concatenate(model)  # its tree's merges, registered right after, keep this process's rows
     label = model_label(model.config)
     for path, module in model.named_modules():  # modules have no path (linears no config) to name in errors
         module.tp_name = f"{label} ({path})"

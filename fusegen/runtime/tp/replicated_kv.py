@@ -5,11 +5,12 @@ so the merged tensor is read whole (one layer at a time) and `PartitionedConcate
 from __future__ import annotations
 
 import torch
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
-from transformers.core_model_loading import ConversionOps, WeightConverter
+from torch import nn
+from transformers.core_model_loading import ConversionOps
 
 from ..checkpoint import MergedColumnConcatenate, MergedColumnSplit, tensors_of
 from ..merged import find_merged_linear
+from ..registry import set_merge_op
 
 
 class PartitionedConcatenate(MergedColumnConcatenate):
@@ -70,21 +71,10 @@ class PartitionedSplit(MergedColumnSplit):
         return PartitionedConcatenate(self.dim)
 
 
-def use_partitioned_concatenate(class_name: str) -> None:
-    """Swap the merge op of `class_name`'s registered checkpoint converters for `PartitionedConcatenate`.
+def use_partitioned_concatenate(model: nn.Module) -> None:
+    """Make `model` (being loaded tensor-parallel) load and save its merges with `PartitionedConcatenate`.
 
-    Done only for tensor-parallel loads (Transformers reads the registry after the model is built, so building the
-    model is early enough); idempotent, and redone if a generated module is re-imported and registers afresh.
-    """
-    converters = get_checkpoint_conversion_mapping(class_name)
-    if not converters:
-        return
-    changed = False
-    for converter in converters:
-        if isinstance(converter, WeightConverter):
-            for index, op in enumerate(converter.operations):
-                if type(op) is MergedColumnConcatenate:
-                    converter.operations[index] = PartitionedConcatenate(op.dim)
-                    changed = True
-    if changed:
-        register_checkpoint_conversion_mapping(class_name, converters, overwrite=True)
+    The choice is carried by the model and is part of what is registered for its tree (`fusegen.runtime.registry`),
+    so no later registration (another model built, the same model registered again) undoes it, and no other model
+    inherits it. Set while the model is built: Transformers looks its conversions up right after."""
+    set_merge_op(model, PartitionedConcatenate)
