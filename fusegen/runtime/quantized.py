@@ -59,6 +59,11 @@ class PiecewiseLinear(nn.Module):
         self.reason = "not composed yet"
         object.__setattr__(self, "_owner", owner)  # not a submodule: the pieces belong to the owner's state dict
 
+    @property
+    def owner(self) -> nn.Module:
+        """The module the pieces (and this module) are registered on."""
+        return self._owner
+
     def pieces(self) -> list[nn.Module]:
         return [getattr(self._owner, name) for name in self.piece_names]
 
@@ -187,7 +192,9 @@ def compose_merged_linears(model: nn.Module) -> dict[str, str]:
         owner, attribute = _owner_of(model, path)
         pieces = site.pieces()
         devices = {p.device for piece in pieces for p in piece.parameters()}
-        if any(device.type == "meta" for device in devices):
+        if getattr(site, "tensor_parallel", False):
+            pass  # its pieces carry tensor-parallel forwards (fusegen/runtime/tp/piecewise.py); `reason` says so
+        elif any(device.type == "meta" for device in devices):
             site.reason = "a piece is still on the meta device"
         elif len(devices) > 1:
             site.reason = f"pieces on different devices ({sorted(map(str, devices))})"
