@@ -19,7 +19,9 @@ scheme AND on the checkpoint (nested statistics, act-order permutations, block s
    per output row or per block/group within rows of one piece: then the merged module computes, for every output
    row, what that row's piece computes. Anything shared across rows (a per-tensor scale, nested statistics over all
    blocks, blocks straddling two pieces, different schemes, an act-order permutation per piece) stays split. No
-   requantization happens anywhere, so nothing is approximated.
+   requantization happens anywhere, so nothing is approximated. A site whose pieces tensor parallelism sharded by
+   their own rules (`tensor_parallel`, set by fusegen/runtime/tp/piecewise.py) is never composed: its pieces carry
+   Transformers' tensor-parallel forwards, which one stacked module would not have.
 3. **Saved canonically**: `split_state` (called by the save-direction converter) splits a composed module's
    state-dict entry into the pieces' entries, by the composer that built it.
 

@@ -70,6 +70,8 @@ def piecewise_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], strict: bool
     `strict=False` (the plan a model records when it is built, tensor parallelism or not) its rule is kept as it is
     instead, and a tensor-parallel load then raises in `prepare_tensor_parallel`, before anything is sharded.
     """
+    if not any(isinstance(module, PiecewiseLinear) for module in model.modules()):
+        return dict(tp_plan)  # built merged (no quantization_config): the generated plan as it is
     modules = _sites_by_rule(model)
     config = getattr(model, "config", None)
     config_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
