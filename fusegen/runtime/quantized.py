@@ -19,7 +19,9 @@ scheme AND on the checkpoint (nested statistics, act-order permutations, block s
    per output row or per block/group within rows of one piece: then the merged module computes, for every output
    row, what that row's piece computes. Anything shared across rows (a per-tensor scale, nested statistics over all
    blocks, blocks straddling two pieces, different schemes, an act-order permutation per piece) stays split. No
-   requantization happens anywhere, so nothing is approximated.
+   requantization happens anywhere, so nothing is approximated. A site whose pieces tensor parallelism sharded by
+   their own rules (`tensor_parallel`, set by fusegen/runtime/tp/piecewise.py) is never composed: its pieces carry
+   Transformers' tensor-parallel forwards, which one stacked module would not have.
 3. **Saved canonically**: `split_state` (called by the save-direction converter) splits a composed module's
    state-dict entry into the pieces' entries, by the composer that built it.
 
@@ -58,6 +60,11 @@ class PiecewiseLinear(nn.Module):
         self.piece_sizes = list(sizes)
         self.reason = "not composed yet"
         object.__setattr__(self, "_owner", owner)  # not a submodule: the pieces belong to the owner's state dict
+
+    @property
+    def owner(self) -> nn.Module:
+        """The module the pieces (and this module) are registered on."""
+        return self._owner
 
     def pieces(self) -> list[nn.Module]:
         return [getattr(self._owner, name) for name in self.piece_names]
@@ -187,7 +194,9 @@ def compose_merged_linears(model: nn.Module) -> dict[str, str]:
         owner, attribute = _owner_of(model, path)
         pieces = site.pieces()
         devices = {p.device for piece in pieces for p in piece.parameters()}
-        if any(device.type == "meta" for device in devices):
+        if getattr(site, "tensor_parallel", False):
+            pass  # its pieces carry tensor-parallel forwards (fusegen/runtime/tp/piecewise.py); `reason` says so
+        elif any(device.type == "meta" for device in devices):
             site.reason = "a piece is still on the meta device"
         elif len(devices) > 1:
             site.reason = f"pieces on different devices ({sorted(map(str, devices))})"

@@ -18,6 +18,7 @@ try:  # Transformers >= 5.21 keeps the style registry in parallel_utils, 5.20 in
 except ImportError:
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
+from .piecewise import piecewise_tp_plan
 from .replicated_kv import use_partitioned_concatenate
 from .styles import (
     LOCAL_HEADS,
@@ -75,7 +76,8 @@ def init_fused_parallel_plans(model: PreTrainedModel, tp_plan: Mapping[str, str]
             model._tp_plan = {}
         else:
             register_styles()
-            model._tp_plan = fused_tp_plan(model._tp_plan or {}, model.config.base_model_tp_plan, tp_plan)
+            fused = piecewise_tp_plan(model, tp_plan, strict=False)  # merged linears built as pieces: their rules
+            model._tp_plan = fused_tp_plan(model._tp_plan or {}, model.config.base_model_tp_plan, fused)
     if _tensor_parallel_requested(model.config):
         prepare_tensor_parallel(model, tp_plan)
 
@@ -104,7 +106,7 @@ def prepare_tensor_parallel(model: PreTrainedModel, tp_plan: Mapping[str, str] |
         )
     stacked = getattr(sys.modules.get(type(model).__module__), "STACKED_PARAMS_MAPPING", None) or {}
     for _, base in planned:
-        check_plan_honoured(base, tp_plan, stacked)
+        check_plan_honoured(base, piecewise_tp_plan(base, tp_plan), stacked)
     use_partitioned_concatenate(model)  # its tree's merges, registered right after, keep this process's rows
     label = model_label(model.config)
     for path, module in model.named_modules():  # modules have no path (linears no config) to name in errors
