@@ -64,7 +64,9 @@ MUTANTS = {
     # `max_norm` renormalises the rows of `x[0]` in place
     "argument-write": Case((Q, "e = F.embedding(torch.tensor([0, 1]), x[0], max_norm=0.1)", K, V)),
     # the caller put the input in a registry; a generator made before the region writes it when `next` advances it
-    "implicit-call": Case(("g = (REGISTRY[-1].mul_(2.0) for _ in range(1))", Q, "n = next(g)", K, V), setup="registry"),
+    "implicit-call": Case(
+        ("g = (REGISTRY[-1].mul_(2.0) for _ in range(1))", Q, "n = next(g)", K, V), setup="registry"
+    ),
 }
 UNTESTABLE = {
     "dtype-mismatch": "outside autocast no original forward runs with pieces of two dtypes; inside it the merged "
@@ -74,7 +76,12 @@ UNTESTABLE = {
 
 
 SECOND_LAYER = {
-    "ambient-context", "caller-alias", "region-call", "projection-identity", "argument-write", "implicit-call"
+    "ambient-context",
+    "caller-alias",
+    "region-call",
+    "projection-identity",
+    "argument-write",
+    "implicit-call",
 }
 """Issue 24's rules refuse every write or call of the region not proven harmless, whoever it may reach, so they also
 refuse most mutants of the older, input-specific rules. An older rule is shown needed with these off as well (the
@@ -235,16 +242,24 @@ BRANCHES.update(
             "implicit-call", Toy((Q, "n = len(cache)", K, V), layer=_SLY, signature="x, cache", extra=_F)
         ),
         "implicit-call: a generator advanced by next": Branch(
-            "implicit-call", Toy(("steps = grad_off_then_back()", Q, "n = next(steps)", K, "n = next(steps)", V),
-                                 extra=_F),  # fmt: skip
+            "implicit-call",
+            Toy(("steps = grad_off_then_back()", Q, "n = next(steps)", K, "n = next(steps)", V), extra=_F),
         ),
         "implicit-call: a truth test": Branch(
             "implicit-call", Toy(("sw = Toggle()", Q, "if sw:\n    pass", K, "assert sw", V), extra=_F)
         ),
         "implicit-call: a decorator applied": Branch(
             "implicit-call",
-            Toy((Q, "@flip_on_decoration\ndef marker():\n    return 0", K,
-                 "@flip_on_decoration\ndef marker2():\n    return 0", V), extra=_F),  # fmt: skip
+            Toy(
+                (
+                    Q,
+                    "@flip_on_decoration\ndef marker():\n    return 0",
+                    K,
+                    "@flip_on_decoration\ndef marker2():\n    return 0",
+                    V,
+                ),
+                extra=_F,
+            ),
         ),
     }
 )

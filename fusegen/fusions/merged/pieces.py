@@ -6,14 +6,19 @@ written in place. The original's projection outputs were independent, contiguous
 
 * `needs_own_storage`: a piece that may be written in place later, by code the forward does not show, gets a
   copy of its own (`piece = piece.clone()`, exact: see `rewrite_forward.detach_written_pieces`). That is a piece
-  any alias of which is stored away (`self.seen = k`, `box[0] = k`), returned as it is, handed to a module-level
+  any alias of which is stored away (`self.seen = k`, `box[0] = k`, a `global` name), also inside a dict, a record a
+  class makes (`KV(k, v)`, a dataclass) or a lambda (`_carries`), captured by a nested function or lambda
+  (`_captures`), handed to a method of an object that outlives the forward (`CACHE.append(k)`,
+  `self.store.append(k)`: `_into_held_object`), returned as it is or in such a record, handed to a module-level
   Python function not proven free of writes (`region_rules.effect_free`), or handed to a submodule not proven so
   (`module_effect_free`: an in-place activation, a user module that keeps what it is handed). What a callee the
   analysis cannot resolve does with a piece (an attention interface looked up by name, a cache's `update`) is
   trusted: Transformers' attention functions and caches read or copy their operands.
 * `needs_contiguous`: a piece whose layout may show gets `piece = piece.contiguous()`: an alias of it is `.view`ed
   with a shape not proven to keep every leading dim (`view(-1)` on a piece raises where the original's output
-  viewed fine), or its layout is read (`stride()`, `is_contiguous()`, `data_ptr()`, storage). The proof covers what
+  viewed fine), or its layout is read (`stride()`, `is_contiguous()`, `data_ptr()`, storage, `as_strided`, `_base`),
+  also through the class (`torch.Tensor.view(k, -1)`), an attribute view (`k.mT.stride()`) or an identity test
+  (`k.contiguous() is k`: `_layout_shows`). The proof covers what
   Transformers spells (`q.view(hidden_shape)`, `hidden_shape = (*input_shape, -1, d)`, `input_shape =
   x.shape[:-1]`; `bsz, q_len, _ = x.size()`, `q.view(bsz, q_len, h, d)`), so those models pay nothing.
 """
@@ -103,7 +108,9 @@ def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]
     if _holds(expr, tracked):
         return True
     if isinstance(expr, (ast.Dict, ast.Set)):
-        return any(_carries(e, tracked, namespace, local) for e in ast.iter_child_nodes(expr) if isinstance(e, ast.expr))
+        return any(
+            _carries(e, tracked, namespace, local) for e in ast.iter_child_nodes(expr) if isinstance(e, ast.expr)
+        )
     if isinstance(expr, ast.Lambda):
         return any(isinstance(n, ast.Name) and n.id in tracked for n in ast.walk(expr.body))
     if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):

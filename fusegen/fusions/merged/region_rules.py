@@ -24,6 +24,12 @@ them (each an allowlist; a false alarm costs a fusion, a miss returns wrong numb
   the class, a callee handed `self` (in the region; elsewhere one whose code names a projection), or a module hook
   registered in forward.
 
+* **Implicit calls** (`implicit-call`). An operator, comparison, truth test, item or attribute read, iteration,
+  f-string, builtin such as `len` or `next`, decorator or class statement runs special methods of its operands with
+  no call spelled: such operands must be known to be tensors, numbers, strings, torch or Transformers objects
+  (`known_names`), or the code they run (a `__bool__` that switches grad mode, a generator made before the region, a
+  `__len__` that writes what the caller handed) escapes every rule above.
+
 Besides, `argument-write` refuses torch functions that write an argument though their name has no underscore:
 `F.embedding`/`F.embedding_bag` with `max_norm` (they renormalise the weight rows they read) and
 `F.batch_norm`/`F.instance_norm` given running statistics outside `training=False` (they update them).
@@ -478,9 +484,11 @@ def known_names(funcdef, tensors, trusted, module, namespace, local) -> set[str]
     """Local names whose every value has special methods known not to run user code (a greatest fixpoint, as
     `tensor_names`): the tensors and Transformers objects of `tensor_names`, the `**kwargs` dict, parameters
     annotated with anything but `Any`/`object` (the annotation is trusted, as a tensor annotation is), and locals every
-    binding of which is `_known` given the others. A local bound from a call the proof cannot resolve (an attention
-    interface looked up by name) is trusted like that call's result elsewhere; one bound from a user class, a
-    generator function, a generator expression or a lambda is not."""
+    binding of which is `_known` given the others. A local bound from a method call the proof cannot resolve
+    (`cache.update(...)`, judged by `region-call` where it runs in the region) is trusted like that call's result
+    elsewhere, and so is one from an effect-free function handed known values (it makes nothing but through torch,
+    numbers and tuples); one bound from a user class, a generator function, a generator expression, a lambda or a
+    function that is not effect-free is not."""
     names = set(tensors) | set(trusted)
     if funcdef.args.kwarg:
         names.add(funcdef.args.kwarg.arg)
@@ -507,19 +515,18 @@ def known_names(funcdef, tensors, trusted, module, namespace, local) -> set[str]
         changed = False
         for name in sorted(candidates & assumed):
             if not all(
-                value is not None and _known(value, assumed, module, namespace, local, binding=True)
-                for value in bindings[name]
+                value is not None and _known(value, assumed, module, namespace, local) for value in bindings[name]
             ):
                 assumed.discard(name)
                 changed = True
     return assumed
 
 
-def _known(expr, known, module, namespace, local, binding=False) -> bool:
-    """Are the special methods of the value of `expr` known not to run user code (see `known_names`)? With `binding`,
-    `expr` is the value bound to a local, and a call the proof cannot resolve is trusted (`known_names`)."""
+def _known(expr, known, module, namespace, local) -> bool:
+    """Are the special methods of the value of `expr` known not to run user code (see `known_names`)?"""
+
     def rec(e):
-        return _known(e, known, module, namespace, local, binding)
+        return _known(e, known, module, namespace, local)
 
     if isinstance(expr, (ast.Constant, ast.JoinedStr)):
         return True
@@ -557,12 +564,16 @@ def _known(expr, known, module, namespace, local, binding=False) -> bool:
             if resolved is lookup.UNRESOLVED:
                 if self_attr(func):
                     return isinstance(_self_value(module, func.attr), nn.Module)
-                return binding and not (isinstance(func, ast.Attribute) and not rec(func.value))
+                # a method `region-call` judges (`cache.update(k, v, i)`), or a local callable bound from known code
+                # (`attention_interface`, never a lambda): its result is trusted as everywhere else in these rules
+                return isinstance(func, ast.Attribute) or rec(func)
             if isinstance(resolved, type):
                 return _plain_value(resolved) and (resolved.__module__ or "").startswith(("builtins", "torch"))
             if isinstance(resolved, types.FunctionType):
                 generator = resolved.__code__.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE)
-                return not generator and (binding or effect_free(resolved))
+                # an effect-free function makes nothing but through torch, numbers and tuples, from its arguments
+                operands = [*expr.args, *(k.value for k in expr.keywords)]
+                return not generator and effect_free(resolved) and all(rec(operand) for operand in operands)
             return callable(resolved)  # a builtin or torch function: its result is a value of torch or Python
         return False
     return False
@@ -618,11 +629,11 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
                 yield from operand(node, value, "tests the truth of")
         elif isinstance(node, (ast.If, ast.While, ast.Assert, ast.IfExp)):
             yield from operand(node, node.test, "tests the truth of")
-        elif isinstance(node, ast.comprehension) or isinstance(node, (ast.For, ast.AsyncFor)):
+        elif isinstance(node, (ast.comprehension, ast.For, ast.AsyncFor)):
             yield from operand(node, node.iter, "iterates over")
-        elif isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.List)) for t in node.targets):
-            yield from operand(node, node.value, "unpacks")
-        elif isinstance(node, ast.Starred):
+        elif (
+            isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.List)) for t in node.targets)
+        ) or isinstance(node, ast.Starred):
             yield from operand(node, node.value, "unpacks")
         elif isinstance(node, ast.FormattedValue):
             yield from operand(node, node.value, "formats")
@@ -638,9 +649,11 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             yield Refused("implicit-call", f"`class {node.name}` runs its body, bases and metaclass", node)
         elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
             resolved = lookup.resolve_dotted(node.func, namespace, local)
-            if isinstance(resolved, (types.BuiltinFunctionType, type)) and (
-                getattr(builtins, getattr(resolved, "__name__", ""), None) is resolved
-            ) and resolved.__name__ not in _QUIET_BUILTINS:
+            if (
+                isinstance(resolved, (types.BuiltinFunctionType, type))
+                and (getattr(builtins, getattr(resolved, "__name__", ""), None) is resolved)
+                and resolved.__name__ not in _QUIET_BUILTINS
+            ):
                 for argument in (*node.args, *(k.value for k in node.keywords)):
                     if not isinstance(argument, ast.GeneratorExp):  # its parts are nodes of the region, judged here
                         yield from operand(node, argument, "hands a builtin")

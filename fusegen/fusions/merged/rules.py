@@ -75,8 +75,10 @@ LIVE_AND_HOIST_RULES: tuple[Rule, ...] = (
         ("argument-write", "a call writes its arguments (max_norm, running statistics, a self-updating submodule)"),
         (
             "implicit-call",
-            "the region runs code of an object not known to be a tensor, number or Transformers object without "
-            "calling it (an operator, truth test, iteration, f-string, property, builtin, decorator or class)",
+            (
+                "the region runs code of an object not known to be a tensor, number or Transformers object without "
+                "calling it (an operator, truth test, iteration, f-string, property, builtin, decorator or class)"
+            ),
         ),
     ),
 )
