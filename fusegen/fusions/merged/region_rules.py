@@ -491,7 +491,7 @@ def known_names(funcdef, tensors, trusted, module, namespace, local) -> set[str]
     function that is not effect-free is not."""
     names = set(tensors) | set(trusted)
     if funcdef.args.kwarg:
-        names.add(funcdef.args.kwarg.arg)
+        names |= {funcdef.args.kwarg.arg, "**" + funcdef.args.kwarg.arg}  # the dict is known, its items are not
     for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs):
         if arg.annotation is not None and not any(word in ast.unparse(arg.annotation) for word in ("Any", "object")):
             names.add(arg.arg)
@@ -508,6 +508,12 @@ def known_names(funcdef, tensors, trusted, module, namespace, local) -> set[str]
                 bindings.setdefault(name, []).append(None)  # an element of an iterable, a context's value: unknown
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not funcdef:
             bindings.setdefault(node.name, []).append(None)
+    for node in ast.walk(funcdef):  # `for i in range(n)`: ints (when `range` is the builtin and `n` is known)
+        if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
+            loop = node.iter
+            builtin_range = isinstance(loop, ast.Call) and lookup.resolve_dotted(loop.func, namespace, local) is range
+            if builtin_range and node.target.id in bindings:
+                bindings[node.target.id] = [b if b is not None else loop for b in bindings[node.target.id]]
     candidates = {name for name in bindings if name not in parameters and name != "self"} - names
     assumed = names | candidates
     changed = True
@@ -542,9 +548,9 @@ def _known(expr, known, module, namespace, local) -> bool:
     if isinstance(expr, ast.Dict):
         return all(rec(e) for e in (*expr.keys, *expr.values) if e is not None)
     if isinstance(expr, ast.Attribute):
-        if self_attr(expr):
-            value = _self_value(module, expr.attr)
-            return _plain_value(value) or isinstance(value, property)  # a property: judged by projection-identity
+        chain = _self_chain(expr, module)
+        if chain is not _NOT_A_CHAIN:
+            return _plain_value(chain) or isinstance(chain, property)  # a property: judged by projection-identity
         resolved = lookup.resolve_dotted(expr, namespace, local)
         if resolved is not lookup.UNRESOLVED:
             return _plain_value(resolved)
@@ -562,6 +568,9 @@ def _known(expr, known, module, namespace, local) -> bool:
         if isinstance(func, (ast.Name, ast.Attribute)):
             resolved = lookup.resolve_dotted(func, namespace, local)
             if resolved is lookup.UNRESOLVED:
+                receiver = func.value if isinstance(func, ast.Attribute) else None
+                if isinstance(receiver, ast.Name) and "**" + receiver.id in known:
+                    return False  # `kwargs.get("cache")`: whatever the caller passed
                 if self_attr(func):
                     return isinstance(_self_value(module, func.attr), nn.Module)
                 # a method `region-call` judges (`cache.update(k, v, i)`), or a local callable bound from known code
@@ -582,9 +591,29 @@ def _known(expr, known, module, namespace, local) -> bool:
 def _subscript_known(expr: ast.Subscript, known, module, namespace, local) -> bool:
     """An item of a tensor (a tensor), of a tuple literal's name, or of a known local; never of a mutable global."""
     value = expr.value
-    if isinstance(value, ast.Name) and value.id not in known:
-        return False
+    if isinstance(value, ast.Name) and (value.id not in known or "**" + value.id in known):
+        return False  # an unknown container's item, or an item of `**kwargs`: whatever the caller passed
     return _known(value, known, module, namespace, local)
+
+
+_NOT_A_CHAIN = object()
+
+
+def _self_chain(expr: ast.Attribute, module: nn.Module) -> object:
+    """What `self.a.b...` holds, read without running code through modules only (`self.block.flag`), a descriptor
+    where one stands; `_NOT_A_CHAIN` for an expression not rooted at `self` or reaching past a non-module."""
+    names = []
+    while isinstance(expr, ast.Attribute):
+        names.append(expr.attr)
+        expr = expr.value
+    if not (isinstance(expr, ast.Name) and expr.id == "self"):
+        return _NOT_A_CHAIN
+    value: object = module
+    for name in reversed(names):
+        if not isinstance(value, nn.Module):
+            return value if _plain_value(value) and not isinstance(value, nn.Module) else _NOT_A_CHAIN
+        value = _self_value(value, name)
+    return value
 
 
 def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, local, trusted, parent_of):
