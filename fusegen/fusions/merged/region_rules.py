@@ -620,8 +620,8 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
     """Refuse (`implicit-call`) an operation of the region that runs code of an object not known to be a tensor,
     number, string or Transformers object, though no call is spelled: an operator or comparison (`cache + 1`,
     `sw == 0`; not `is`), a truth test (`if sw:`, `assert`, `and`/`or`/`not`), an item or attribute read (`__getitem__`,
-    a property, `__getattr__`), iteration or unpacking (`for t in cache`, `a, b = obj`, `*obj`), an f-string
-    (`__format__`), a builtin that calls the special methods of what it is handed (`len`, `next`, `str`, `list`, ...,
+    a property, `__getattr__`), iteration or unpacking (`for t in cache`, `a, b = obj`, `*obj`), a `match` subject,
+    an f-string (`__format__`), a builtin that calls the special methods of what it is handed (`len`, `next`, `str`, `list`, ...,
     not `isinstance`/`type`), a decorator applied, a class statement (its body, bases and metaclass run).
 
     Sound because each of these runs user code exactly when an operand's special methods are user code, and
@@ -664,6 +664,8 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.List)) for t in node.targets)
         ) or isinstance(node, ast.Starred):
             yield from operand(node, node.value, "unpacks")
+        elif isinstance(node, ast.Match):
+            yield from operand(node, node.subject, "matches")
         elif isinstance(node, ast.FormattedValue):
             yield from operand(node, node.value, "formats")
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
