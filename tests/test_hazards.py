@@ -1189,6 +1189,7 @@ FOURTH_HAZARDS = {
     "ctx4_fstring_dunder": _flip_around_k('tag = f"{sw}"'),
     "ctx4_compare_dunder": _flip_around_k("same = sw == 1"),
     "ctx4_property_of_object": _flip_around_k("s = sw.state"),
+    "ctx4_match_subject": _flip_around_k("match sw:\n    case 1:\n        pass"),
     "ctx4_torch_state_function_renamed": Toy(
         (_Q, "handle = watch_linears(double_plain_linears)", _K, _V, "handle.remove()"), extra=_F
     ),
@@ -1377,7 +1378,7 @@ FOURTH_SAFE = {
 }
 
 
-@pytest.mark.slow  # 69 cases, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
+@pytest.mark.slow  # 70 cases, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
 @pytest.mark.parametrize("name", sorted(FOURTH_HAZARDS))
 def test_fourth_batch_hazard_is_refused_or_sound(case_path, name):
     verdict = _verdict(case_path, write_toy(case_path, name, FOURTH_HAZARDS[name]), name, validate=False)
