@@ -539,6 +539,8 @@ def _known(expr, known, module, namespace, local) -> bool:
     if isinstance(expr, ast.Name):
         if expr.id in known:
             return True
+        if expr.id == "self":
+            return _module_without_special_methods(module)
         resolved = lookup.resolve_dotted(expr, namespace, local)
         return resolved is not lookup.UNRESOLVED and _plain_value(resolved)
     if isinstance(expr, ast.Starred):
@@ -586,6 +588,24 @@ def _known(expr, known, module, namespace, local) -> bool:
             return callable(resolved)  # a builtin or torch function: its result is a value of torch or Python
         return False
     return False
+
+
+_CLASS_BOOKKEEPING = frozenset(
+    {"__init__", "__module__", "__qualname__", "__doc__", "__annotations__", "__dict__", "__weakref__",
+     "__firstlineno__", "__static_attributes__", "__classcell__", "__orig_bases__", "__parameters__",
+     "__annotate_func__", "__annotations_cache__", "__type_params__"}
+)  # fmt: skip
+
+
+def _module_without_special_methods(module: nn.Module) -> bool:
+    """Do the module's own classes (those not from torch or Transformers) define no special method, so that `self`
+    handed to a builtin (`getattr(self, "flag")`) or an operator runs only `nn.Module`'s?"""
+    for cls in type(module).__mro__:
+        if (cls.__module__ or "").startswith(("torch", "transformers", "builtins")):
+            continue
+        if any(n.startswith("__") and n.endswith("__") and n not in _CLASS_BOOKKEEPING for n in vars(cls)):
+            return False
+    return True
 
 
 def _subscript_known(expr: ast.Subscript, known, module, namespace, local) -> bool:
