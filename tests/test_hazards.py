@@ -1092,3 +1092,307 @@ def test_third_batch_hazard_is_refused_or_sound_with_validation(case_path, name)
 def test_third_batch_safe_twin_is_fused_and_sound(case_path, name):
     verdict = _verdict(case_path, write_toy(case_path, name, NEW_SAFE[name]), name, validate=False)
     assert verdict == "sound", verdict
+
+
+# --- fourth batch: the same families, spellings the third batch and the fuzzer do not use --------------------------
+#
+# Judged as the third batch is (`fusegen.tools.oracle.verdict`, by running, in every mode), with the module-level code of
+# `fusegen.tools.oracle.FOURTH_HELPERS` (`Toy.extra`): objects whose special methods switch grad mode or write what they
+# hold, generators and decorators that switch state when advanced or applied, torch's own state functions under other
+# names, an input subclass that overrides `F.linear`, and records that carry a piece out of forward.
+
+
+_F = oracle.FOURTH_HELPERS
+_TOGGLE = "sw = Toggle()"
+_KT, _VT = "ret_k = k", "ret_v = v"
+
+
+def _flip_around_k(spelling: str, before: tuple = (_TOGGLE,)) -> Toy:
+    """A case whose `spelling` runs once between q and k and once between k and v."""
+    return Toy((*before, _Q, spelling, _K, spelling, _V), extra=_F)
+
+
+def _sly(*lines: str) -> Toy:
+    """`cache` is the caller's `Sly` holding the input; `lines` run between q and k."""
+    return Toy((_Q, *lines, _K, _V), layer=_LAYER + _pair("Sly(args[0])"), signature="x, cache", extra=_F)
+
+
+def _post(*lines: str, ret: str = "return q * w + torch.cat([k, v], dim=-1)", members: str = "") -> Toy:
+    """`lines` after the last projection, reading `w` for the result."""
+    return Toy((_Q, _K, _V, *lines), ret=ret, members=members, extra=_F)
+
+
+def _escape(lines: tuple, hook: str, ret: str = "return q + torch.cat([k, v], dim=-1)", init: str = "") -> Toy:
+    """A piece carried out of forward by `lines`; the block's forward hook `hook` (an expression of `m` and `out`)
+    writes it in place afterwards."""
+    return Toy(
+        (_Q, _K, _V, *lines),
+        ret=ret,
+        init=init,
+        layer=_LAYER + f"self.block.register_forward_hook(lambda m, args, out: [{hook}] and None)",
+        extra=_F,
+    )
+
+
+_K_ROWS = "    @property\n    def k_rows(self):\n        return self.k_proj.out_features\n"
+
+FOURTH_HAZARDS = {
+    # 1. ambient state, switched by spellings with no state-switching call name in the region
+    "ctx4_autocast_entered_through_bound_methods": Toy(
+        (
+            'ac = torch.autocast("cpu", dtype=torch.bfloat16)',
+            "on, off = ac.__enter__, ac.__exit__",
+            _Q,
+            "on()",
+            _K,
+            "off(None, None, None)",
+            _V,
+        ),
+        ret="return q + torch.cat([k.float(), v], dim=-1)",
+        extra=_F,
+    ),
+    "ctx4_c_level_grad_switch": Toy(
+        (
+            "was = torch.is_grad_enabled()",
+            _Q,
+            "torch._C._set_grad_enabled(False)",
+            _K,
+            "torch._C._set_grad_enabled(was)",
+            _V,
+        ),
+        extra=_F,
+    ),
+    "ctx4_partial_grad_switch": Toy(
+        (
+            "off = functools.partial(torch.set_grad_enabled, False)",
+            "back = functools.partial(torch.set_grad_enabled, torch.is_grad_enabled())",
+            _Q,
+            "off()",
+            _K,
+            "back()",
+            _V,
+        ),
+        extra=_F,
+    ),
+    "ctx4_no_grad_instance_reused": Toy(("quiet = torch.no_grad()", _Q, "with quiet:\n    " + _K, _V), extra=_F),
+    "ctx4_lookalike_nullcontext": Toy((_Q, "with hushed():\n    " + _K, _V), extra=_F),
+    "ctx4_decorator_on_nested_def": _flip_around_k("@flip_on_decoration\ndef marker():\n    return 0", before=()),
+    "ctx4_decorator_on_nested_class": _flip_around_k("@flip_on_decoration\nclass Marker:\n    pass", before=()),
+    "ctx4_class_body_switch": _flip_around_k("class Marker:\n    _flip()", before=()),
+    "ctx4_generator_advanced_by_next": _flip_around_k("n = next(steps)", before=("steps = grad_off_then_back()",)),
+    "ctx4_genexp_advanced_by_next": _flip_around_k("n = next(flips)", before=("flips = (_flip() for _ in range(2))",)),
+    "ctx4_generator_drained_by_for": _flip_around_k(
+        "for _ in zip(range(1), steps):\n    pass", before=("steps = grad_off_then_back()",)
+    ),
+    "ctx4_truth_test_dunder": Toy((_TOGGLE, _Q, "if sw:\n    pass", _K, "assert sw", _V), extra=_F),
+    "ctx4_len_dunder": _flip_around_k("n = len(sw)"),
+    "ctx4_fstring_dunder": _flip_around_k('tag = f"{sw}"'),
+    "ctx4_compare_dunder": _flip_around_k("same = sw == 1"),
+    "ctx4_property_of_object": _flip_around_k("s = sw.state"),
+    "ctx4_match_subject": _flip_around_k("match sw:\n    case 1:\n        pass"),
+    "ctx4_torch_state_function_renamed": Toy(
+        (_Q, "handle = watch_linears(double_plain_linears)", _K, _V, "handle.remove()"), extra=_F
+    ),
+    "ctx4_torch_state_function_in_helper": Toy((_Q, "handle = watch_all()", _K, _V, "handle.remove()"), extra=_F),
+    "ctx4_input_subclass_torch_function": Toy(
+        (_Q, _K, _V),
+        layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: (args[0].as_subclass(EightRows),))",
+        extra=_F,
+    ),
+    # 2. the caller's alias written by special methods, generators and positional `inplace`
+    "alias4_len_dunder": _sly("n = len(cache)"),
+    "alias4_truth_test_dunder": _sly("if cache:\n    pass"),
+    "alias4_binop_dunder": _sly("z = cache + 1.0"),
+    "alias4_subscript_dunder": _sly("z = cache[0]"),
+    "alias4_iteration_dunder": _sly("for item in cache:\n    pass"),
+    "alias4_fstring_dunder": _sly('tag = f"{cache}"'),
+    "alias4_membership_dunder": _sly("found = 1 in cache"),
+    "alias4_property_of_object": _sly("z = cache.held"),
+    "alias4_generator_advanced_by_next": Toy(
+        ("steps = doubling_steps(y)", _Q, "next(steps)", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y",
+        extra=_F,
+    ),
+    "alias4_threshold_positional_inplace": Toy(
+        (_Q, "F.threshold(y, 0.0, -1.0, True)", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y", extra=_F
+    ),
+    "alias4_hardtanh_positional_inplace": Toy(
+        (_Q, "F.hardtanh(y, -0.1, 0.1, True)", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y", extra=_F
+    ),
+    "alias4_index_put_function": Toy(
+        (_Q, "torch.index_put_(y, (torch.tensor([0]),), torch.tensor(0.0))", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y",
+        extra=_F,
+    ),
+    "alias4_copy_through_view_chain": Toy(
+        (_Q, "y.view(-1)[:4].copy_(torch.zeros(4))", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y",
+        extra=_F,
+    ),
+    "alias4_walrus_receiver": Toy(
+        (_Q, "(t := y).mul_(2.0)", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y", extra=_F
+    ),
+    "alias4_set_storage": Toy(
+        (_Q, "y.set_(torch.zeros_like(y))", _K, _V), layer=_LAYER + _pair("args[0]"), signature="x, y", extra=_F
+    ),
+    # 3. projections reached by name or through another object than `self`
+    "ident4_super_getattr": _post('w = super().__getattr__("k_proj").weight.sum()'),
+    "ident4_unbound_module_getattr": _post('w = nn.Module.__getattr__(self, "v_proj").weight.sum()'),
+    "ident4_object_getattribute": _post('w = object.__getattribute__(self, "_modules")["k_proj"].weight.sum()'),
+    "ident4_property_fget_on_type": _post("w = type(self).k_rows.fget(self)", members=_K_ROWS),
+    "ident4_staticmethod_handed_self": _post("w = self.grab(self)", members="    grab = staticmethod(peek)\n"),
+    "ident4_self_under_another_name": Toy(
+        ("me = self", _Q, _K, _V, "w = me.k_proj.weight.sum()"),
+        ret="return q * w + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "ident4_self_in_a_list": Toy(
+        ("blocks = [self]", _Q, _K, _V, "w = blocks[0].v_proj.weight.sum()"),
+        ret="return q * w + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "ident4_getattr_static": _post('w = inspect.getattr_static(self, "k_proj").weight.sum()'),
+    "ident4_dict_by_getattr": _post('w = getattr(self, "__dict__")["_modules"]["k_proj"].weight.sum()'),
+    "ident4_named_children_count": _post("w = float(sum(1 for _ in self.named_children()))"),
+    "ident4_map_over_projections": Toy(
+        ("q, k, v = map(lambda p: p(x), (self.q_proj, self.k_proj, self.v_proj))",), extra=_F
+    ),
+    "ident4_functional_call": Toy(
+        (_Q, "k = torch.func.functional_call(self.k_proj, dict(self.k_proj.named_parameters()), (x,))", _V),
+        extra=_F,
+    ),
+    # 4. pieces whose layout or identity shows, or that leave forward inside another object
+    "piece4_transposed_stride": _post("w = float(k.mT.stride()[-1])"),
+    "piece4_view_spelled_on_class": Toy(
+        (_Q, "k = torch.Tensor.view(self.k_proj(x), -1)", _V),
+        ret="return q + torch.cat([k.view(v.shape), v], dim=-1)",
+        extra=_F,
+    ),
+    "piece4_view_as_flat": Toy(
+        (_Q, _K, _V, "flat = k.view_as(torch.empty(k.numel()))"),
+        ret="return q + torch.cat([flat.view(v.shape), v], dim=-1)",
+        extra=_F,
+    ),
+    "piece4_as_strided": _post("k = k.as_strided(k.shape, (k.shape[1] * 8, 8, 1))", "w = 1.0"),
+    "piece4_contiguous_identity": _post("w = 2.0 if k.contiguous() is k else 1.0"),
+    "piece4_base_attribute": _post("w = 2.0 if k._base is None else 1.0"),
+    "piece4_storage_through_class": _post("w = float(torch.Tensor.untyped_storage(k).nbytes())"),
+    "piece4_in_dict_stored": _escape(('self.seen = {"k": k}',), 'm.seen["k"].mul_(2.0)'),
+    "piece4_in_namedtuple_stored": _escape(("self.seen = KV(k, v)",), "m.seen.k.mul_(2.0)"),
+    "piece4_in_dataclass_returned": Toy(
+        (_Q, _K, _V),
+        ret="return Out(total=q + torch.cat([k, v], dim=-1), k=k)",
+        layer=_LAYER + "self.block.register_forward_hook(lambda m, args, out: (out.k.mul_(2.0), out.total)[1])",
+        extra=_F,
+    ),
+    "piece4_captured_by_lambda": _escape(("self.later = lambda: k",), "m.later().mul_(2.0)"),
+    "piece4_captured_by_nested_def": _escape(
+        ("def later():\n    return v", "self.later = later"), "m.later().mul_(2.0)"
+    ),
+    "piece4_global_name": _escape(("global LAST_K", "LAST_K = k"), "LAST_K.mul_(2.0)"),
+    "piece4_appended_to_global_list": _escape(("CACHE.append(k)",), "CACHE[-1].mul_(2.0)"),
+    "piece4_setattr_builtin": _escape(('setattr(self, "seen", v)',), "m.seen.mul_(2.0)"),
+    "piece4_operator_setitem_global": _escape(("operator.setitem(SLOTS, 0, k)",), "SLOTS[0].mul_(2.0)"),
+    "piece4_appended_to_own_list": _escape(
+        ("self.store.append(k)",), "m.store[-1].mul_(2.0)", init="        self.store = []\n"
+    ),
+    "piece4_copy_through_view_chain": _post("k.view(k.shape)[..., :2].copy_(torch.zeros(2))", "w = 1.0"),
+    "piece4_index_put_function": _post("torch.index_put_(k, (torch.tensor([0]),), torch.tensor(1.0))", "w = 1.0"),
+    "piece4_operator_setitem_write": _post("operator.setitem(v, (0, 0), 0.0)", "w = 1.0"),
+    "piece4_unsqueeze_in_place": _post("k.unsqueeze_(0)", "k = k[0]", "w = 1.0"),
+    "piece4_set_storage": _post("k.set_(k.clone())", "w = 1.0"),
+    # 5. writes a function does not announce by name
+    "write4_dropout_positional_inplace": Toy(
+        (_Q, "F.dropout(y, 0.5, self.training, True)", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y",
+        extra=_F,
+    ),
+}
+
+FOURTH_SAFE = {
+    "ctx4_nullcontext_with_a_value": Toy(
+        (_Q, "with contextlib.nullcontext(2.0) as two:\n    " + _K, _V),
+        ret="return q * two + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "ctx4_autocast_off_closed_between": Toy(
+        (_Q, 'with torch.autocast("cpu", enabled=False):\n    n = x.sum()', _K, _V),
+        ret="return q + torch.cat([k, v], dim=-1) + n",
+        extra=_F,
+    ),
+    "ctx4_inference_mode_queried": Toy(
+        (_Q, "inf = torch.is_inference_mode_enabled()", _K, _V),
+        ret="return q * (2.0 if inf else 1.0) + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "alias4_len_of_tensor": Toy(
+        (_Q, "n = len(y)", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y: torch.Tensor",
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "alias4_truth_of_shape": Toy(
+        (_Q, "if x.shape[0]:\n    n = 2.0\nelse:\n    n = 1.0", _K, _V),
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "alias4_fstring_of_shape": Toy(
+        (_Q, 'tag = f"{x.shape[0]}"', _K, _V), ret="return q * len(tag) + torch.cat([k, v], dim=-1)", extra=_F
+    ),
+    "alias4_compare_of_width": Toy(
+        (_Q, "wide = x.shape[-1] == 16", _K, _V),
+        ret="return q * (2.0 if wide else 1.0) + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "alias4_threshold_out_of_place": Toy(
+        (_Q, "z = F.threshold(y, 0.0, -1.0)", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y: torch.Tensor",
+        ret="return q + torch.cat([k, v], dim=-1) + z",
+        extra=_F,
+    ),
+    "alias4_hardtanh_in_place_on_fresh": Toy(
+        (_Q, "z = torch.zeros_like(x)", "F.hardtanh(z, -0.1, 0.1, True)", _K, _V),
+        ret="return q + torch.cat([k, v], dim=-1) + z",
+        extra=_F,
+    ),
+    "ident4_type_name_read": _post("w = 2.0 if type(self).__name__ else 1.0"),
+    "piece4_transposed_product": _post("w = (k.mT @ k).sum()"),
+    "piece4_clone_in_dict_stored": _escape(('self.seen = {"k": k.clone()}',), 'm.seen["k"].mul_(2.0)'),
+    "piece4_pair_unpacked_locally": _post("pair = (k, v)", "k, v = pair", "w = 1.0"),
+    "write4_dropout_positional_out_of_place": Toy(
+        (_Q, "d = F.dropout(y, 0.0, self.training, False)", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y: torch.Tensor",
+        ret="return q + torch.cat([k, v], dim=-1) + d",
+        extra=_F,
+    ),
+    "ident4_torch_helper_renamed_pure": Toy(
+        ("join = torch.cat", _Q, _K, _V), ret="return q + join([k, v], dim=-1)", extra=_F
+    ),
+}
+
+
+@pytest.mark.slow  # 70 cases, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
+@pytest.mark.parametrize("name", sorted(FOURTH_HAZARDS))
+def test_fourth_batch_hazard_is_refused_or_sound(case_path, name):
+    verdict = _verdict(case_path, write_toy(case_path, name, FOURTH_HAZARDS[name]), name, validate=False)
+    assert verdict in ("refused", "sound"), verdict
+
+
+@pytest.mark.slow  # each case validated by the build, then run under 8 modes
+@pytest.mark.parametrize("name", sorted(FOURTH_HAZARDS))
+def test_fourth_batch_hazard_is_refused_or_sound_with_validation(case_path, name):
+    verdict = _verdict(case_path, write_toy(case_path, name, FOURTH_HAZARDS[name]), name, validate=True)
+    assert verdict in ("refused", "sound"), verdict
+
+
+@pytest.mark.parametrize("name", sorted(FOURTH_SAFE))
+def test_fourth_batch_safe_twin_is_fused_and_sound(case_path, name):
+    verdict = _verdict(case_path, write_toy(case_path, name, FOURTH_SAFE[name]), name, validate=False)
+    assert verdict == "sound", verdict

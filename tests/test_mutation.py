@@ -63,6 +63,10 @@ MUTANTS = {
     "projection-identity": Case((Q, "w = getattr(self, 'k' + '_proj').weight", K, V)),
     # `max_norm` renormalises the rows of `x[0]` in place
     "argument-write": Case((Q, "e = F.embedding(torch.tensor([0, 1]), x[0], max_norm=0.1)", K, V)),
+    # the caller put the input in a registry; a generator made before the region writes it when `next` advances it
+    "implicit-call": Case(
+        ("g = (REGISTRY[-1].mul_(2.0) for _ in range(1))", Q, "n = next(g)", K, V), setup="registry"
+    ),
 }
 UNTESTABLE = {
     "dtype-mismatch": "outside autocast no original forward runs with pieces of two dtypes; inside it the merged "
@@ -71,7 +75,14 @@ UNTESTABLE = {
 }
 
 
-SECOND_LAYER = {"ambient-context", "caller-alias", "region-call", "projection-identity", "argument-write"}
+SECOND_LAYER = {
+    "ambient-context",
+    "caller-alias",
+    "region-call",
+    "projection-identity",
+    "argument-write",
+    "implicit-call",
+}
 """Issue 24's rules refuse every write or call of the region not proven harmless, whoever it may reach, so they also
 refuse most mutants of the older, input-specific rules. An older rule is shown needed with these off as well (the
 rule set it was written for); each of these is shown needed alone."""
@@ -198,7 +209,8 @@ BRANCHES = {
                 "handle.remove()",
             )
         ),
-        also=frozenset({"ambient-context"}),  # registering a global hook is a state switch too
+        # registering a global hook is a state switch too, and torch's registration is no call proven write-free
+        also=frozenset({"ambient-context", "region-call"}),
     ),
     "argument-write: running statistics": Branch(
         "argument-write",
@@ -208,6 +220,50 @@ BRANCHES = {
         ),
     ),
 }
+
+
+_F = oracle.FOURTH_HELPERS
+_SLY = "        self.block.register_forward_pre_hook(lambda m, args: (args[0], Sly(args[0])))"
+BRANCHES.update(
+    {
+        # the fourth hazard batch's holes, each closed by a check of its own
+        "context: a torch state switch under another name": Branch(
+            "ambient-context",
+            Toy((Q, "handle = watch_linears(double_plain_linears)", K, V, "handle.remove()"), extra=_F),
+            also=frozenset({"region-call", "projection-identity"}),  # unproven call; a global hook registered, too
+        ),
+        "caller-alias: inplace passed by position": Branch(
+            "caller-alias", Toy((Q, "F.hardtanh(y, -0.1, 0.1, True)", K, V), layer=PAIR, signature="x, y", extra=_F)
+        ),
+        "projection-identity: a class's method handed self": Branch(
+            "projection-identity",
+            Toy((Q, K, V, 'w = nn.Module.__getattr__(self, "v_proj").weight.sum()'), ret=W_RETURN, extra=_F),
+        ),
+        "implicit-call: a special method of the caller's object": Branch(
+            "implicit-call", Toy((Q, "n = len(cache)", K, V), layer=_SLY, signature="x, cache", extra=_F)
+        ),
+        "implicit-call: a generator advanced by next": Branch(
+            "implicit-call",
+            Toy(("steps = grad_off_then_back()", Q, "n = next(steps)", K, "n = next(steps)", V), extra=_F),
+        ),
+        "implicit-call: a truth test": Branch(
+            "implicit-call", Toy(("sw = Toggle()", Q, "if sw:\n    pass", K, "assert sw", V), extra=_F)
+        ),
+        "implicit-call: a decorator applied": Branch(
+            "implicit-call",
+            Toy(
+                (
+                    Q,
+                    "@flip_on_decoration\ndef marker():\n    return 0",
+                    K,
+                    "@flip_on_decoration\ndef marker2():\n    return 0",
+                    V,
+                ),
+                extra=_F,
+            ),
+        ),
+    }
+)
 
 
 @pytest.mark.parametrize("name", sorted(BRANCHES))
@@ -241,6 +297,24 @@ PIECES = {
     ),
     "a piece whose layout is read": Toy(
         (Q, K, V, "w = 2.0 if k.is_contiguous() else 1.0"), ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
+    "a piece in a dict stored on self and written by the caller's hook": Toy(
+        (Q, K, V, 'self.seen = {"k": k}'),
+        layer='        self.block.register_forward_hook(lambda m, args, out: [m.seen["k"].mul_(2.0)] and None)',
+    ),
+    "a piece captured by a lambda the caller's hook calls": Toy(
+        (Q, K, V, "self.later = lambda: k"),
+        layer="        self.block.register_forward_hook(lambda m, args, out: [m.later().mul_(2.0)] and None)",
+    ),
+    "a piece appended to a global list": Toy(
+        (Q, K, V, "CACHE.append(k)"),
+        layer="        self.block.register_forward_hook(lambda m, args, out: [CACHE[-1].mul_(2.0)] and None)",
+    ),
+    "a piece whose stride is read through mT": Toy(
+        (Q, K, V, "w = float(k.mT.stride()[-1])"), ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
+    "a piece compared by identity with its contiguous self": Toy(
+        (Q, K, V, "w = 2.0 if k.contiguous() is k else 1.0"), ret="return q * w + torch.cat([k, v], dim=-1)"
     ),
 }
 

@@ -543,3 +543,32 @@ def test_experts_implementation_is_answered_as_for_the_original(built):
     assert (
         FusedLlamaForCausalLM._can_set_experts_implementation() is LlamaForCausalLM._can_set_experts_implementation()
     )
+
+
+class _RowsDoubled(torch.Tensor):
+    """An input whose `F.linear` doubles the output of any weight with 8 rows."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is torch.nn.functional.linear and args[1].shape[0] == 8:
+            return out * 2
+        return out
+
+
+def test_merged_linear_hands_an_overriding_input_each_piece_as_its_projection_did():
+    torch.manual_seed(0)
+    merged = MergedColumnLinear(16, [16, 8, 8], bias=[True, False, True])
+    pieces = [nn.Linear(16, n, bias=b) for n, b in ((16, True), (8, False), (8, True))]
+    with torch.no_grad():
+        for piece, weight in zip(pieces, merged.weight.split([16, 8, 8])):
+            piece.weight.copy_(weight)
+        pieces[0].bias.copy_(merged.bias[:16])
+        pieces[2].bias.copy_(merged.bias[24:])
+    x = torch.randn(2, 3, 16)
+    plain = merged(x)
+    assert type(plain) is torch.Tensor
+    expected = torch.cat([piece(x.as_subclass(_RowsDoubled)) for piece in pieces], dim=-1)
+    actual = merged(x.as_subclass(_RowsDoubled))
+    assert torch.allclose(actual, expected, atol=1e-6, rtol=0)
+    assert not torch.allclose(actual[..., 16:], plain[..., 16:])  # k and v doubled, as the subclass wants

@@ -115,14 +115,38 @@ class MergedColumnLinear(nn.Linear):
                 self.bias.index_fill_(0, layout.piece_rows(index).to(self.bias.device), 0)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if type(input) is not torch.Tensor and torch.overrides.has_torch_function_unary(input):
+            return self._piece_by_piece(input)
         if self.bias is None or all(self.bias_pieces):
             return super().forward(input)
+        return F.linear(input, self.weight, self._bias_with_zero_rows())
+
+    def _bias_with_zero_rows(self) -> torch.Tensor | None:
+        if self.bias is None or all(self.bias_pieces):
+            return self.bias
         layout = layout_of(self)
         pieces = layout.split(self.bias)
-        bias = layout.merge(
+        return layout.merge(
             [piece if kept else torch.zeros_like(piece) for piece, kept in zip(pieces, self.bias_pieces)]
         )
-        return F.linear(input, self.weight, bias)
+
+    def _piece_by_piece(self, input: torch.Tensor) -> torch.Tensor:
+        """The merged output of an input whose class overrides `__torch_function__` (a user tensor subclass; torch's
+        own subclasses, `Parameter`, DTensor, fake and functional tensors, disable it, so they never come here).
+
+        Such a class sees every `F.linear` it is handed and may compute it otherwise (by the weight's shape, say): one
+        merged call would hand it a weight no original projection had. So each piece is computed as its projection
+        computed it, `F.linear(input, rows of the piece, bias of the piece or None)`, and the outputs are merged along
+        the last dim in the layout's row order (`merge` on the last dim), which the forward's split undoes. The same
+        values as the single GEMM for a plain tensor; the subclass additionally sees the merge."""
+        layout = layout_of(self)
+        weights = layout.split(self.weight)
+        biases = layout.split(self.bias) if self.bias is not None else [None] * len(weights)
+        outputs = [
+            F.linear(input, weight, bias if kept else None)
+            for weight, bias, kept in zip(weights, biases, self.bias_pieces)
+        ]
+        return layout.merge(outputs, dim=-1)
 
     def extra_repr(self) -> str:
         """Show the per-projection sizes, so a printed model reveals how the fused output is laid out."""

@@ -104,10 +104,155 @@ may fill, a helper that writes through an address, helpers handed the block (`pe
 `block_width` does not)."""
 
 
+FOURTH_HELPERS = '''
+import collections
+import dataclasses
+import functools
+
+_SAVED = []
+LAST = [None]
+SLOTS = [None]
+watch_linears = torch.nn.modules.module.register_module_forward_hook
+KV = collections.namedtuple("KV", "k v")
+
+
+@dataclasses.dataclass
+class Out:
+    total: torch.Tensor
+    k: torch.Tensor
+
+
+def _flip():
+    """Switch grad mode off the first time, back to what it was the second (and so on)."""
+    if _SAVED:
+        torch.set_grad_enabled(_SAVED.pop())
+    else:
+        _SAVED.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(False)
+
+
+class Toggle:
+    """Every special method flips grad mode (`_flip`)."""
+
+    def __bool__(self):
+        _flip()
+        return True
+
+    def __len__(self):
+        _flip()
+        return 1
+
+    def __format__(self, spec):
+        _flip()
+        return "t"
+
+    def __eq__(self, other):
+        _flip()
+        return False
+
+    __hash__ = object.__hash__
+
+    @property
+    def state(self):
+        _flip()
+        return 0
+
+
+class Sly:
+    """Holds a tensor; every special method doubles it in place."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def _bump(self):
+        self.t.mul_(2.0)
+
+    def __len__(self):
+        self._bump()
+        return 1
+
+    def __bool__(self):
+        self._bump()
+        return True
+
+    def __add__(self, other):
+        self._bump()
+        return other
+
+    def __getitem__(self, i):
+        self._bump()
+        return 0
+
+    def __iter__(self):
+        self._bump()
+        return iter(())
+
+    def __contains__(self, item):
+        self._bump()
+        return False
+
+    def __format__(self, spec):
+        self._bump()
+        return "s"
+
+    @property
+    def held(self):
+        self._bump()
+        return 0
+
+
+def flip_on_decoration(thing):
+    _flip()
+    return thing
+
+
+def grad_off_then_back():
+    """A generator: its first step switches grad mode off, its second switches it back."""
+    was = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)
+    yield 1
+    torch.set_grad_enabled(was)
+    yield 2
+
+
+def doubling_steps(t):
+    """A generator: each step doubles `t` in place."""
+    while True:
+        t.mul_(2.0)
+        yield t
+
+
+def hushed():
+    """Looks like `contextlib.nullcontext`, is `no_grad`."""
+    return torch.no_grad()
+
+
+def watch_all():
+    return watch_linears(double_plain_linears)
+
+
+class EightRows(torch.Tensor):
+    """A tensor subclass whose `F.linear` doubles the output of any weight with 8 rows (the toy's k and v)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is F.linear and args[1].shape[0] == 8:
+            return out * 2
+        return out
+'''
+"""Module-level code of the fourth hazard batch (`Toy.extra`; tests/test_hazards.py, tests/test_mutation.py): a
+`Toggle` whose special methods flip grad mode and a `Sly` whose special methods write what it holds, a decorator and
+generators that switch state when applied or advanced, torch's global-hook registration under another name, a tensor
+subclass whose `F.linear` depends on the weight's rows, and records (a namedtuple, a dataclass) and global slots that
+carry a piece out of forward."""
+
+
 @dataclass(frozen=True)
 class Toy:
     """One case: the block's forward `body` lines and `ret`; `signature` replaces `x` in `forward(self, x)`;
-    `members` are class-level lines of the block (properties); `init`, `layer` as for `toy_source`."""
+    `members` are class-level lines of the block (properties); `init`, `layer` as for `toy_source`; `extra` is
+    module-level source of the case's own, after `HELPERS`."""
 
     body: tuple[str, ...]
     init: str = ""
@@ -115,6 +260,7 @@ class Toy:
     signature: str = "x"
     members: str = ""
     ret: str = "return q + torch.cat([k, v], dim=-1)"
+    extra: str = ""
 
     def forward(self) -> str:
         return "".join(
@@ -126,12 +272,12 @@ class Toy:
         return "\n".join([*parts, "forward:", self.forward()])
 
     def extras(self):
-        return (("init", self.init), ("layer", self.layer), ("members", self.members))
+        return (("init", self.init), ("layer", self.layer), ("members", self.members), ("extra", self.extra))
 
 
 def write_toy(root: Path, package: str, name: str, toy: Toy) -> str:
     """Write `toy` as module `<package>.<name>` under `root` (which must be on `sys.path`); returns its dotted name."""
-    source = toy_source(name, toy.init, toy.forward(), TOY_HELPERS + HELPERS, toy.layer)
+    source = toy_source(name, toy.init, toy.forward(), TOY_HELPERS + HELPERS + toy.extra, toy.layer)
     head, tail = source.split("class ToyBlock(nn.Module):", 1)
     tail = tail.replace("    def forward(self, x):\n", f"{toy.members}\n    def forward(self, {toy.signature}):\n", 1)
     directory = Path(root) / package

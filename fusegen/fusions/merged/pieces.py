@@ -6,14 +6,19 @@ written in place. The original's projection outputs were independent, contiguous
 
 * `needs_own_storage`: a piece that may be written in place later, by code the forward does not show, gets a
   copy of its own (`piece = piece.clone()`, exact: see `rewrite_forward.detach_written_pieces`). That is a piece
-  any alias of which is stored away (`self.seen = k`, `box[0] = k`), returned as it is, handed to a module-level
+  any alias of which is stored away (`self.seen = k`, `box[0] = k`, a `global` name), also inside a dict, a record a
+  class makes (`KV(k, v)`, a dataclass) or a lambda (`_carries`), captured by a nested function or lambda
+  (`_captures`), handed to a method of an object that outlives the forward (`CACHE.append(k)`,
+  `self.store.append(k)`: `_into_held_object`), returned as it is or in such a record, handed to a module-level
   Python function not proven free of writes (`region_rules.effect_free`), or handed to a submodule not proven so
   (`module_effect_free`: an in-place activation, a user module that keeps what it is handed). What a callee the
   analysis cannot resolve does with a piece (an attention interface looked up by name, a cache's `update`) is
   trusted: Transformers' attention functions and caches read or copy their operands.
 * `needs_contiguous`: a piece whose layout may show gets `piece = piece.contiguous()`: an alias of it is `.view`ed
   with a shape not proven to keep every leading dim (`view(-1)` on a piece raises where the original's output
-  viewed fine), or its layout is read (`stride()`, `is_contiguous()`, `data_ptr()`, storage). The proof covers what
+  viewed fine), or its layout is read (`stride()`, `is_contiguous()`, `data_ptr()`, storage, `as_strided`, `_base`),
+  also through the class (`torch.Tensor.view(k, -1)`), an attribute view (`k.mT.stride()`) or an identity test
+  (`k.contiguous() is k`: `_layout_shows`). The proof covers what
   Transformers spells (`q.view(hidden_shape)`, `hidden_shape = (*input_shape, -1, d)`, `input_shape =
   x.shape[:-1]`; `bsz, q_len, _ = x.size()`, `q.view(bsz, q_len, h, d)`), so those models pay nothing.
 """
@@ -35,7 +40,10 @@ COPIES: bool = True
 `bench/piece_copies.py` (to measure what they cost) switch it off; a build with it off may emit a model that raises
 where the original runs."""
 
-LAYOUT_METHODS = frozenset({"stride", "is_contiguous", "data_ptr", "storage_offset", "untyped_storage", "storage"})
+LAYOUT_METHODS = frozenset(
+    {"stride", "is_contiguous", "data_ptr", "storage_offset", "untyped_storage", "storage", "as_strided",
+     "view_as", "is_set_to", "_base", "is_non_overlapping_and_dense", "_is_view"}
+)  # fmt: skip
 """Tensor methods whose result depends on the layout, where a split piece differs from a projection output."""
 
 
@@ -61,13 +69,18 @@ def module_effect_free(child: object) -> bool:
 def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Module | None, namespace: dict) -> bool:
     """Is a piece whose possible aliases are `tracked` stored away, returned, or handed to unproven code?"""
     local = dataflow.local_names(funcdef)
+    declared = {n for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
     for node in ast.walk(funcdef):
-        if isinstance(node, ast.Return) and node.value is not None and _holds(node.value, tracked):
+        if isinstance(node, ast.Return) and node.value is not None and _carries(node.value, tracked, namespace, local):
             return True
         stored = isinstance(node, ast.Assign) and any(
-            isinstance(t, (ast.Attribute, ast.Subscript)) for target in node.targets for t in ast.walk(target)
+            isinstance(t, (ast.Attribute, ast.Subscript)) or (isinstance(t, ast.Name) and t.id in declared)
+            for target in node.targets
+            for t in ast.walk(target)
         )
-        if stored and _holds(node.value, tracked):
+        if stored and _carries(node.value, tracked, namespace, local):
+            return True
+        if _captures(node, tracked, funcdef):
             return True
         if not isinstance(node, ast.Call):
             continue
@@ -75,6 +88,8 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
         if not any(_holds(operand, tracked) for operand in operands):
             continue
         func = node.func
+        if _into_held_object(func, namespace, local, module):
+            return True
         if self_attr(func):
             child = getattr(module, func.attr, None) if module is not None else None
             if isinstance(child, nn.Module) and not module_effect_free(child):
@@ -84,6 +99,48 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
             user = isinstance(resolved, types.FunctionType) and not (resolved.__module__ or "").startswith("torch")
             if user and not region_rules.effect_free(resolved):
                 return True
+    return False
+
+
+def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]) -> bool:
+    """Could the value of `expr` carry one of `tracked` out of sight: `_holds`, or a dict or set holding one, or a record
+    made by a class handed one (`KV(k, v)`, a dataclass), or a lambda reading one."""
+    if _holds(expr, tracked):
+        return True
+    if isinstance(expr, (ast.Dict, ast.Set)):
+        return any(
+            _carries(e, tracked, namespace, local) for e in ast.iter_child_nodes(expr) if isinstance(e, ast.expr)
+        )
+    if isinstance(expr, ast.Lambda):
+        return any(isinstance(n, ast.Name) and n.id in tracked for n in ast.walk(expr.body))
+    if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):
+        resolved = lookup.resolve_dotted(expr.func, namespace, local)
+        if isinstance(resolved, type) and not (resolved.__module__ or "").startswith("torch"):
+            operands = [*expr.args, *(keyword.value for keyword in expr.keywords)]
+            return any(_carries(operand, tracked, namespace, local) for operand in operands)
+    return False
+
+
+def _captures(node: ast.AST, tracked: set[str], funcdef: ast.FunctionDef) -> bool:
+    """Is `node` a nested function or lambda of the forward whose body reads one of `tracked` (a closure over a piece:
+    whoever ends up holding it reaches the piece after forward returns)?"""
+    if node is funcdef or not isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    body = [node.body] if isinstance(node, ast.Lambda) else node.body
+    return any(isinstance(n, ast.Name) and n.id in tracked for stmt in body for n in ast.walk(stmt))
+
+
+def _into_held_object(func: ast.expr, namespace: dict, local: set[str], module) -> bool:
+    """Is `func` a method of an object that outlives the forward: a module-level object (`CACHE.append`) or a
+    non-module attribute of the module (`self.store.append`)? What such a method is handed may be kept there."""
+    if not isinstance(func, ast.Attribute):
+        return False
+    receiver = func.value
+    if self_attr(receiver):
+        return module is None or not isinstance(getattr(module, receiver.attr, None), nn.Module)
+    if isinstance(receiver, ast.Name) and receiver.id not in local:
+        resolved = lookup.resolve_dotted(receiver, namespace, local)
+        return resolved is not lookup.UNRESOLVED and not inspect.ismodule(resolved) and not isinstance(resolved, type)
     return False
 
 
@@ -127,6 +184,8 @@ def needs_contiguous(funcdef: ast.FunctionDef, temp: str, tracked: set[str], inp
     direct = _direct_names(funcdef, temp)
     parent_of = parent_map(funcdef)
     for node in ast.walk(funcdef):
+        if _layout_shows(node, tracked):
+            return True
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         receiver = node.func.value
@@ -146,6 +205,37 @@ def needs_contiguous(funcdef: ast.FunctionDef, temp: str, tracked: set[str], inp
             _reaches_as_piece(funcdef, receiver, direct, parent_of) and _keeps_leading_dims(funcdef, node, inputs)
         ):
             return True
+    return False
+
+
+_SAME_STORAGE_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
+"""Tensor attributes that are views of the tensor: their layout is derived from its layout."""
+
+
+def _layout_shows(node: ast.AST, tracked: set[str]) -> bool:
+    """Does `node` show the layout or identity of a piece (possible aliases `tracked`) in a spelling the method check
+    of `needs_contiguous` does not read: a layout method called on the class (`torch.Tensor.view(k, -1)`,
+    `torch.Tensor.untyped_storage(k)`), on an attribute view (`k.mT.stride()`), a layout attribute (`k._base`), or an
+    identity test between values made from a piece (`k.contiguous() is k`: true for a projection's output only)?"""
+
+    def made_from_piece(expr):
+        while isinstance(expr, ast.Attribute) and expr.attr in _SAME_STORAGE_ATTRS:
+            expr = expr.value
+        return _holds(expr, tracked)
+
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        method = node.func.attr
+        if method in LAYOUT_METHODS | {"view"}:
+            if isinstance(node.func.value, ast.Attribute) and made_from_piece(node.func.value):
+                return True
+            tensor_class = ast.unparse(node.func.value) in ("torch.Tensor", "Tensor", "torch._C.TensorBase")
+            if tensor_class and node.args and made_from_piece(node.args[0]):
+                return True
+    if isinstance(node, ast.Attribute) and node.attr in LAYOUT_METHODS and made_from_piece(node.value):
+        return True
+    if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+        sides = (node.left, *node.comparators)
+        return sum(made_from_piece(side) for side in sides) >= 2
     return False
 
 

@@ -24,6 +24,12 @@ them (each an allowlist; a false alarm costs a fusion, a miss returns wrong numb
   the class, a callee handed `self` (in the region; elsewhere one whose code names a projection), or a module hook
   registered in forward.
 
+* **Implicit calls** (`implicit-call`). An operator, comparison, truth test, item or attribute read, iteration,
+  f-string, builtin such as `len` or `next`, decorator or class statement runs special methods of its operands with
+  no call spelled: such operands must be known to be tensors, numbers, strings, torch or Transformers objects
+  (`known_names`), or the code they run (a `__bool__` that switches grad mode, a generator made before the region, a
+  `__len__` that writes what the caller handed) escapes every rule above.
+
 Besides, `argument-write` refuses torch functions that write an argument though their name has no underscore:
 `F.embedding`/`F.embedding_bag` with `max_norm` (they renormalise the weight rows they read) and
 `F.batch_norm`/`F.instance_norm` given running statistics outside `training=False` (they update them).
@@ -136,6 +142,7 @@ def region_findings(
         check_argument_writes(region, fresh, module, namespace, local),
         check_caller_writes(region, fresh, names, module, namespace, local, trusted, parent_of),
         check_region_calls(funcdef, region, tracked, fresh, module, namespace, local, skip, trusted, parent_of),
+        check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, local, trusted, parent_of),
     )
 
 
@@ -180,10 +187,22 @@ def check_context(funcdef, region, projection_calls, namespace, local):
                         node,
                     )
         # `with torch.set_grad_enabled(False):` switches as it is called, and its `with` switches back on exit
-        if isinstance(node, ast.Call) and lookup.call_name(node) in STATE_CALLS and id(node) not in restoring_items:
+        if isinstance(node, ast.Call) and _switch_name(node, namespace, local) and id(node) not in restoring_items:
             yield Refused(
                 "ambient-context", f"`{ast.unparse(node)}` may switch the state the later projections run under", node
             )
+
+
+def _switch_name(call: ast.Call, namespace: dict, local: set[str]) -> str:
+    """The state-switching name `call` calls (`STATE_CALLS`) as spelled, or as the function it resolves to is named
+    (`watch = torch.nn.modules.module.register_module_forward_hook` at module level, then `watch(f)`), else ""."""
+    if lookup.call_name(call) in STATE_CALLS:
+        return lookup.call_name(call)
+    if isinstance(call.func, (ast.Name, ast.Attribute)):
+        name = getattr(lookup.resolve_dotted(call.func, namespace, local), "__name__", None)
+        if isinstance(name, str) and name in STATE_CALLS:
+            return name
+    return ""
 
 
 def _context_of(expr: ast.expr, namespace: dict, local: set[str]) -> object:
@@ -375,10 +394,29 @@ def _written_operand(call: ast.Call, namespace: dict, local: set[str]) -> ast.ex
     flagged = any(
         k.arg == "inplace" and not (isinstance(k.value, ast.Constant) and k.value.value is False)
         for k in call.keywords
-    )
+    ) or _inplace_positional(call, namespace, local)
     if (in_place or operator_write or flagged) and call.args:
         return call.args[0]
     return None
+
+
+def _inplace_positional(call: ast.Call, namespace: dict, local: set[str]) -> bool:
+    """Is `inplace` passed by position, and not as the constant False (`F.hardtanh(y, -1.0, 1.0, True)`)? Judged on
+    the signature of the function the callee resolves to; a callee with no readable signature is judged by
+    `region-call`."""
+    if not isinstance(call.func, (ast.Name, ast.Attribute)):
+        return False
+    resolved = lookup.resolve_dotted(call.func, namespace, local)
+    try:
+        names = list(inspect.signature(resolved).parameters)
+    except (TypeError, ValueError):
+        return False
+    if "inplace" not in names or names.index("inplace") >= len(call.args):
+        return False
+    if any(isinstance(arg, ast.Starred) for arg in call.args[: names.index("inplace") + 1]):
+        return True
+    flag = call.args[names.index("inplace")]
+    return not (isinstance(flag, ast.Constant) and flag.value is False)
 
 
 def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local, skip, trusted, parent_of):
@@ -406,6 +444,270 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
             reason = _unproven_call(call, tensors, kwargs, module, namespace, local, trusted, parameters)
         if reason:
             yield Refused("region-call", f"`{ast.unparse(call)}` {reason}", call)
+
+
+# --- implicit calls ---------------------------------------------------------------------------------------------
+
+_QUIET_BUILTINS = frozenset({"type", "id", "isinstance", "issubclass", "callable"})
+"""Builtins that run no special method of what they are handed (`isinstance` reads the class, not the object)."""
+
+_CONSTANT_TYPES = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), range, slice, torch.dtype,
+                   torch.device, torch.Size, torch.memory_format, torch.layout, torch.Tensor, types.ModuleType,
+                   types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, nn.Module)  # fmt: skip
+
+
+def _plain_value(value: object, depth: int = 0) -> bool:
+    """Are `value`'s special methods known not to run user code: a number, string, tensor, dtype, module, function,
+    class or `nn.Module`; a tuple or frozenset of such; a Transformers or torch object (configs included), trusted as
+    `transformers_typed` objects are? Never a mutable container: what it holds at run time is not what it held here."""
+    if isinstance(value, (tuple, frozenset)):
+        return depth < 3 and all(_plain_value(item, depth + 1) for item in value)
+    if isinstance(value, _CONSTANT_TYPES):
+        return True
+    from transformers import PretrainedConfig
+
+    module = type(value).__module__ or ""
+    return isinstance(value, PretrainedConfig) or module.startswith(("transformers.", "torch."))
+
+
+def _self_value(module: nn.Module, name: str) -> object:
+    """What `self.<name>` holds on the instance, found without running a property (a descriptor itself if it is one)."""
+    for table in ("_parameters", "_buffers", "_modules"):
+        if name in vars(module).get(table, {}):
+            return vars(module)[table][name]
+    if name in vars(module):
+        return vars(module)[name]
+    return inspect.getattr_static(type(module), name, None)
+
+
+def known_names(funcdef, tensors, trusted, module, namespace, local) -> set[str]:
+    """Local names whose every value has special methods known not to run user code (a greatest fixpoint, as
+    `tensor_names`): the tensors and Transformers objects of `tensor_names`, the `**kwargs` dict, parameters
+    annotated with anything but `Any`/`object` (the annotation is trusted, as a tensor annotation is), and locals every
+    binding of which is `_known` given the others. A local bound from a method call the proof cannot resolve
+    (`cache.update(...)`, judged by `region-call` where it runs in the region) is trusted like that call's result
+    elsewhere, and so is one from an effect-free function handed known values (it makes nothing but through torch,
+    numbers and tuples); one bound from a user class, a generator function, a generator expression, a lambda or a
+    function that is not effect-free is not."""
+    names = set(tensors) | set(trusted)
+    if funcdef.args.kwarg:
+        names |= {funcdef.args.kwarg.arg, "**" + funcdef.args.kwarg.arg}  # the dict is known, its items are not
+    for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs):
+        if arg.annotation is not None and not any(word in ast.unparse(arg.annotation) for word in ("Any", "object")):
+            names.add(arg.arg)
+    parameters = {arg.arg for arg in ast.walk(funcdef.args) if isinstance(arg, ast.arg)}
+    bindings: dict[str, list] = {}
+    for targets, value in dataflow.bindings(funcdef):
+        for target in targets:
+            for name in dataflow.bound_names(target):
+                bindings.setdefault(name, []).append(value)
+    for node in ast.walk(funcdef):
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension, ast.withitem)):
+            target = node.target if not isinstance(node, ast.withitem) else node.optional_vars
+            for name in dataflow.bound_names(target) if target is not None else ():
+                bindings.setdefault(name, []).append(None)  # an element of an iterable, a context's value: unknown
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not funcdef:
+            bindings.setdefault(node.name, []).append(None)
+    for node in ast.walk(funcdef):  # `for i in range(n)`: ints (when `range` is the builtin and `n` is known)
+        if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
+            loop = node.iter
+            builtin_range = isinstance(loop, ast.Call) and lookup.resolve_dotted(loop.func, namespace, local) is range
+            if builtin_range and node.target.id in bindings:
+                bindings[node.target.id] = [b if b is not None else loop for b in bindings[node.target.id]]
+    candidates = {name for name in bindings if name not in parameters and name != "self"} - names
+    assumed = names | candidates
+    changed = True
+    while changed:
+        changed = False
+        for name in sorted(candidates & assumed):
+            if not all(
+                value is not None and _known(value, assumed, module, namespace, local) for value in bindings[name]
+            ):
+                assumed.discard(name)
+                changed = True
+    return assumed
+
+
+def _known(expr, known, module, namespace, local) -> bool:
+    """Are the special methods of the value of `expr` known not to run user code (see `known_names`)?"""
+
+    def rec(e):
+        return _known(e, known, module, namespace, local)
+
+    if isinstance(expr, (ast.Constant, ast.JoinedStr)):
+        return True
+    if isinstance(expr, ast.Name):
+        if expr.id in known:
+            return True
+        if expr.id == "self":
+            return _module_without_special_methods(module)
+        resolved = lookup.resolve_dotted(expr, namespace, local)
+        return resolved is not lookup.UNRESOLVED and _plain_value(resolved)
+    if isinstance(expr, ast.Starred):
+        return rec(expr.value)
+    if isinstance(expr, (ast.Tuple, ast.List, ast.Set)):
+        return all(rec(element) for element in expr.elts)
+    if isinstance(expr, ast.Dict):
+        return all(rec(e) for e in (*expr.keys, *expr.values) if e is not None)
+    if isinstance(expr, ast.Attribute):
+        chain = _self_chain(expr, module)
+        if chain is not _NOT_A_CHAIN:
+            return _plain_value(chain) or isinstance(chain, property)  # a property: judged by projection-identity
+        resolved = lookup.resolve_dotted(expr, namespace, local)
+        if resolved is not lookup.UNRESOLVED:
+            return _plain_value(resolved)
+        return rec(expr.value)
+    if isinstance(expr, ast.Subscript):
+        return _subscript_known(expr, known, module, namespace, local) and rec(expr.slice)
+    if isinstance(expr, ast.Slice):
+        return all(rec(e) for e in (expr.lower, expr.upper, expr.step) if e is not None)
+    if isinstance(expr, (ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp)):
+        return all(rec(child) for child in ast.iter_child_nodes(expr) if isinstance(child, ast.expr))
+    if isinstance(expr, ast.Call):
+        func = expr.func
+        if _tensor_expr(expr, known, module, namespace):
+            return True
+        if isinstance(func, (ast.Name, ast.Attribute)):
+            resolved = lookup.resolve_dotted(func, namespace, local)
+            if resolved is lookup.UNRESOLVED:
+                receiver = func.value if isinstance(func, ast.Attribute) else None
+                if isinstance(receiver, ast.Name) and "**" + receiver.id in known:
+                    return False  # `kwargs.get("cache")`: whatever the caller passed
+                if self_attr(func):
+                    return isinstance(_self_value(module, func.attr), nn.Module)
+                # a method `region-call` judges (`cache.update(k, v, i)`), or a local callable bound from known code
+                # (`attention_interface`, never a lambda): its result is trusted as everywhere else in these rules
+                return isinstance(func, ast.Attribute) or rec(func)
+            if isinstance(resolved, type):
+                return _plain_value(resolved) and (resolved.__module__ or "").startswith(("builtins", "torch"))
+            if isinstance(resolved, types.FunctionType):
+                generator = resolved.__code__.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE)
+                # an effect-free function makes nothing but through torch, numbers and tuples, from its arguments
+                operands = [*expr.args, *(k.value for k in expr.keywords)]
+                return not generator and effect_free(resolved) and all(rec(operand) for operand in operands)
+            return callable(resolved)  # a builtin or torch function: its result is a value of torch or Python
+        return False
+    return False
+
+
+_CLASS_BOOKKEEPING = frozenset(
+    {"__init__", "__module__", "__qualname__", "__doc__", "__annotations__", "__dict__", "__weakref__",
+     "__firstlineno__", "__static_attributes__", "__classcell__", "__orig_bases__", "__parameters__",
+     "__annotate_func__", "__annotations_cache__", "__type_params__"}
+)  # fmt: skip
+
+
+def _module_without_special_methods(module: nn.Module) -> bool:
+    """Do the module's own classes (those not from torch or Transformers) define no special method, so that `self`
+    handed to a builtin (`getattr(self, "flag")`) or an operator runs only `nn.Module`'s?"""
+    for cls in type(module).__mro__:
+        if (cls.__module__ or "").startswith(("torch", "transformers", "builtins")):
+            continue
+        if any(n.startswith("__") and n.endswith("__") and n not in _CLASS_BOOKKEEPING for n in vars(cls)):
+            return False
+    return True
+
+
+def _subscript_known(expr: ast.Subscript, known, module, namespace, local) -> bool:
+    """An item of a tensor (a tensor), of a tuple literal's name, or of a known local; never of a mutable global."""
+    value = expr.value
+    if isinstance(value, ast.Name) and (value.id not in known or "**" + value.id in known):
+        return False  # an unknown container's item, or an item of `**kwargs`: whatever the caller passed
+    return _known(value, known, module, namespace, local)
+
+
+_NOT_A_CHAIN = object()
+
+
+def _self_chain(expr: ast.Attribute, module: nn.Module) -> object:
+    """What `self.a.b...` holds, read without running code through modules only (`self.block.flag`), a descriptor
+    where one stands; `_NOT_A_CHAIN` for an expression not rooted at `self` or reaching past a non-module."""
+    names = []
+    while isinstance(expr, ast.Attribute):
+        names.append(expr.attr)
+        expr = expr.value
+    if not (isinstance(expr, ast.Name) and expr.id == "self"):
+        return _NOT_A_CHAIN
+    value: object = module
+    for name in reversed(names):
+        if not isinstance(value, nn.Module):
+            return value if _plain_value(value) and not isinstance(value, nn.Module) else _NOT_A_CHAIN
+        value = _self_value(value, name)
+    return value
+
+
+def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, local, trusted, parent_of):
+    """Refuse (`implicit-call`) an operation of the region that runs code of an object not known to be a tensor,
+    number, string or Transformers object, though no call is spelled: an operator or comparison (`cache + 1`,
+    `sw == 0`; not `is`), a truth test (`if sw:`, `assert`, `and`/`or`/`not`), an item or attribute read (`__getitem__`,
+    a property, `__getattr__`), iteration or unpacking (`for t in cache`, `a, b = obj`, `*obj`), a `match` subject,
+    an f-string (`__format__`), a builtin that calls the special methods of what it is handed (`len`, `next`, `str`, `list`, ...,
+    not `isinstance`/`type`), a decorator applied, a class statement (its body, bases and metaclass run).
+
+    Sound because each of these runs user code exactly when an operand's special methods are user code, and
+    `known_names` admits only values whose special methods are torch's, Python's or (trusted) Transformers': such code
+    could switch grad mode (a generator advanced by `next`, a `__bool__`) or write what the caller made an alias of
+    the input (`Sly.__len__`), and `region-call` sees no call to judge."""
+    tensors = tensor_names(funcdef, tracked, fresh, module, namespace, trusted)
+    known = known_names(funcdef, tensors, trusted, module, namespace, local)
+
+    def operand(node, expr, what):
+        if expr is not None and not _known(expr, known, module, namespace, local):
+            yield Refused(
+                "implicit-call",
+                f"`{ast.unparse(node).strip().splitlines()[0]}` {what} `{ast.unparse(expr)}`, whose special methods "
+                "may be user code",
+                node,
+            )
+
+    calls_func = {id(node.func) for node in dataflow.region_nodes(region) if isinstance(node, ast.Call)}
+    for node in dataflow.region_nodes(region):
+        if isinstance(node, (ast.BinOp, ast.AugAssign)):
+            pair = (node.left, node.right) if isinstance(node, ast.BinOp) else (node.target, node.value)
+            for side in pair:
+                yield from operand(node, side, "applies an operator to")
+        elif isinstance(node, ast.UnaryOp):
+            yield from operand(node, node.operand, "applies an operator to")
+        elif isinstance(node, ast.Compare):
+            if all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                continue
+            for side in (node.left, *node.comparators):
+                yield from operand(node, side, "compares")
+        elif isinstance(node, ast.BoolOp):
+            for value in node.values:
+                yield from operand(node, value, "tests the truth of")
+        elif isinstance(node, (ast.If, ast.While, ast.Assert, ast.IfExp)):
+            yield from operand(node, node.test, "tests the truth of")
+        elif isinstance(node, (ast.comprehension, ast.For, ast.AsyncFor)):
+            yield from operand(node, node.iter, "iterates over")
+        elif (
+            isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.List)) for t in node.targets)
+        ) or isinstance(node, ast.Starred):
+            yield from operand(node, node.value, "unpacks")
+        elif isinstance(node, ast.Match):
+            yield from operand(node, node.subject, "matches")
+        elif isinstance(node, ast.FormattedValue):
+            yield from operand(node, node.value, "formats")
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            yield from operand(node, node.value, "reads an item of")
+            yield from operand(node, node.slice, "indexes with")
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and id(node) not in calls_func:
+            if not self_attr(node) and lookup.resolve_dotted(node, namespace, local) is lookup.UNRESOLVED:
+                yield from operand(node, node.value, "reads an attribute of")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.decorator_list:
+            yield Refused("implicit-call", f"`{node.name}` is decorated in the region: the decorator runs", node)
+        elif isinstance(node, ast.ClassDef):
+            yield Refused("implicit-call", f"`class {node.name}` runs its body, bases and metaclass", node)
+        elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+            resolved = lookup.resolve_dotted(node.func, namespace, local)
+            if (
+                isinstance(resolved, (types.BuiltinFunctionType, type))
+                and (getattr(builtins, getattr(resolved, "__name__", ""), None) is resolved)
+                and resolved.__name__ not in _QUIET_BUILTINS
+            ):
+                for argument in (*node.args, *(k.value for k in node.keywords)):
+                    if not isinstance(argument, ast.GeneratorExp):  # its parts are nodes of the region, judged here
+                        yield from operand(node, argument, "hands a builtin")
 
 
 def local_lambdas(funcdef: ast.FunctionDef, namespace: dict, local: set[str]) -> dict[str, types.FunctionType]:
@@ -622,7 +924,8 @@ def effect_free(function: types.FunctionType, seen: set | None = None) -> bool:
     if function in seen:
         return True
     if len(seen) > 50 or (function.__module__ or "").startswith("torch"):
-        return len(seen) <= 50
+        # torch's own Python functions are trusted, except its state switches under any name the caller gives them
+        return len(seen) <= 50 and function.__name__ not in STATE_CALLS
     seen.add(function)
     bad_names = STATE_CALLS | vocabulary.INPLACE_DUNDERS | vocabulary.REFLECTION_NAMES | vocabulary.FRAME_ATTRS
     writes_operand = {"iadd", "isub", "imul", "itruediv", "setitem", "delitem", "inplace", "out"}
@@ -715,7 +1018,7 @@ def check_projection_identity(funcdef, region, projections, module, namespace, l
                 continue  # `getattr(self, "flag")`: the spelled attribute, judged as `self.flag` would be
         elif resolved in (operator.attrgetter, operator.methodcaller):
             yield Refused("projection-identity", f"`{ast.unparse(node)}` reaches attributes by name", node)
-        elif lookup.call_name(node) in STATE_CALLS and "hook" in lookup.call_name(node):
+        elif "hook" in _switch_name(node, namespace, local):
             yield Refused(
                 "projection-identity", f"`{ast.unparse(node)}` hooks every module call, the linears' too", node
             )
@@ -728,6 +1031,28 @@ def check_projection_identity(funcdef, region, projections, module, namespace, l
                     "projection-identity", f"`{ast.unparse(node)}` hands the module to code that names a projection",
                     node,
                 )  # fmt: skip
+            elif _unreadable_method(node.func, resolved, namespace, local):
+                yield Refused(
+                    "projection-identity", f"`{ast.unparse(node)}` hands the module to a method the analysis cannot "
+                    "read (it may reach a projection by name)", node,
+                )  # fmt: skip
+
+
+def _unreadable_method(func: ast.expr, resolved: object, namespace: dict, local: set[str]) -> bool:
+    """Is `func`, handed `self` outside the region, a method or attribute function whose code the analysis does not
+    read: one looked up on a class (`object.__getattribute__`, `nn.Module.__getattr__`: they take an attribute name,
+    projections' too), on `self` (a staticmethod or a callable attribute), or on `super()`? A plain name the
+    forward binds (Transformers' `attention_interface(self, q, k, v, ...)`) is trusted as the attention interfaces
+    are (docs/analysis.md); a module-level function is read (`_names_projection`)."""
+    if not isinstance(func, ast.Attribute) or isinstance(resolved, types.FunctionType):
+        return False
+    base = func.value
+    if _is_self(base) or self_attr(base):
+        return True
+    if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id in ("super", "type"):
+        return True
+    owner = lookup.resolve_dotted(base, namespace, local) if isinstance(base, (ast.Name, ast.Attribute)) else None
+    return isinstance(owner, type)
 
 
 def _is_self(expr: ast.expr) -> bool:

@@ -73,6 +73,13 @@ LIVE_AND_HOIST_RULES: tuple[Rule, ...] = (
             "the projections or their parameters are reached other than through the spelled self.<proj>",
         ),
         ("argument-write", "a call writes its arguments (max_norm, running statistics, a self-updating submodule)"),
+        (
+            "implicit-call",
+            (
+                "the region runs code of an object not known to be a tensor, number or Transformers object without "
+                "calling it (an operator, truth test, iteration, f-string, property, builtin, decorator or class)"
+            ),
+        ),
     ),
 )
 """The rules `raise_first` reports for the live checks (`live`) and the hoisting rules (`hoist`)."""
