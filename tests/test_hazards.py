@@ -1202,6 +1202,8 @@ FOURTH_HAZARDS = {
     # 2. the caller's alias written by special methods, generators and positional `inplace`
     "alias4_len_dunder": _sly("n = len(cache)"),
     "alias4_truth_test_dunder": _sly("if cache:\n    pass"),
+    "alias4_negated_truth_test_dunder": _sly("if not cache:\n    pass"),
+    "ctx4_negated_truth_test_dunder": Toy((_TOGGLE, _Q, "flag = not sw", _K, "assert not sw", _V), extra=_F),
     "alias4_binop_dunder": _sly("z = cache + 1.0"),
     "alias4_subscript_dunder": _sly("z = cache[0]"),
     "alias4_iteration_dunder": _sly("for item in cache:\n    pass"),
@@ -1371,6 +1373,24 @@ FOURTH_SAFE = {
         signature="x, y: torch.Tensor",
         ret="return q + torch.cat([k, v], dim=-1) + d",
         extra=_F,
+    ),
+    "alias4_identity_test_of_a_caller_object": Toy(
+        (_Q, "if cache is not None:\n    n = 2.0\nelse:\n    n = 1.0", _K, _V),
+        layer=_LAYER + _pair("Sly(args[0])"),
+        signature="x, cache=None",
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "alias4_attribute_of_a_narrowed_transformers_cache": Toy(
+        (
+            _Q,
+            "n = 1.0\nif isinstance(cache, DynamicCache):\n    layers = cache.layers\n    n = 2.0",
+            _K,
+            _V,
+        ),
+        signature="x, cache=None",
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+        extra=_F + "from transformers import DynamicCache\n",
     ),
     "ident4_torch_helper_renamed_pure": Toy(
         ("join = torch.cat", _Q, _K, _V), ret="return q + join([k, v], dim=-1)", extra=_F

@@ -561,6 +561,10 @@ def _known(expr, known, module, namespace, local) -> bool:
         return _subscript_known(expr, known, module, namespace, local) and rec(expr.slice)
     if isinstance(expr, ast.Slice):
         return all(rec(e) for e in (expr.lower, expr.upper, expr.step) if e is not None)
+    if isinstance(expr, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in expr.ops):
+        return True  # identity runs no operand's code and is always a bool (`cache is not None`)
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
+        return True  # always a bool; the operand's own truth test is judged where `not` applies it
     if isinstance(expr, (ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp)):
         return all(rec(child) for child in ast.iter_child_nodes(expr) if isinstance(child, ast.expr))
     if isinstance(expr, ast.Call):
@@ -652,7 +656,8 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
     known = known_names(funcdef, tensors, trusted, module, namespace, local)
 
     def operand(node, expr, what):
-        if expr is not None and not _known(expr, known, module, namespace, local):
+        narrowed = isinstance(expr, ast.Name) and _narrowed(node, expr, parent_of, namespace)  # a Transformers object
+        if expr is not None and not narrowed and not _known(expr, known, module, namespace, local):
             yield Refused(
                 "implicit-call",
                 f"`{ast.unparse(node).strip().splitlines()[0]}` {what} `{ast.unparse(expr)}`, whose special methods "
