@@ -14,7 +14,6 @@ whose kind shortened the name through again with the name their pieces join to
 from __future__ import annotations
 
 import ast
-import copy
 import dataclasses
 import inspect
 import sys
@@ -106,7 +105,7 @@ def analyse_class(
             outcome.refused.append(plan)
             continue
         kind = fusions.kind(plan.kind)
-        candidate = copy.deepcopy(classdef)
+        candidate = astutil.copy_tree(classdef)
         try:
             kind.check(instance, plan)
         except Refused as refusal:

@@ -14,7 +14,6 @@ naming its fused copy, where the config fixes which class that is
 from __future__ import annotations
 
 import ast
-import copy
 import inspect
 import sys
 from dataclasses import dataclass
@@ -79,7 +78,7 @@ class ClassTable:
         refuses to be built with a `ValueError` naming the entry, the class and the entries that are fused, so
         selecting it (`attn_implementation="flash_attention_2"`) fails clearly instead of with a bare KeyError.
         """
-        statement = copy.deepcopy(self.statement)
+        statement = astutil.copy_tree(self.statement)
         left_out = {key: name for key, name in self.entries.items() if name not in built}
         kept = [key for key, name in self.entries.items() if name in built]
         stubs: dict[str, ast.ClassDef] = {}
