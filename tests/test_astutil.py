@@ -36,3 +36,22 @@ def test_copy_tree_keeps_marks_copies_lists_and_keeps_sharing():
     assert copied.value.args[-1] is copied.value.keywords[-1].value is not shared
     copied.value.args[0].id = "changed"
     assert statement.value.args[0].id == "y"
+
+
+def test_walk_visits_what_ast_walk_visits_in_the_same_order():
+    tree = astutil.module_tree(inspect.getsourcefile(modeling_llama))
+    assert [id(node) for node in astutil.walk(tree)] == [id(node) for node in ast.walk(tree)]
+    statement = ast.parse("global a, b\nx = f(y)[0]").body  # a list field of strings is no child
+    assert [type(n) for n in astutil.walk(ast.Module(statement, []))] == [
+        type(n) for n in ast.walk(ast.Module(statement, []))
+    ]
+
+
+def test_walk_queues_a_nodes_children_before_yielding_it():
+    call = ast.parse("f(a, b)").body[0].value
+    seen = []
+    for node in astutil.walk(call):
+        seen.append(node)
+        if node is call:
+            call.args = [ast.Name("c", ast.Load())]  # edited after it was yielded: its old children still come
+    assert [n.id for n in seen if isinstance(n, ast.Name)] == ["f", "a", "b"]

@@ -178,7 +178,7 @@ def _covers(edit: Edit, offset: int) -> bool:
 def _dump(stmt: ast.stmt) -> str:
     """`ast.dump` with each docstring's lines stripped: black re-indents docstrings, which changes nothing else."""
     stmt = astutil.copy_tree(stmt)
-    for node in ast.walk(stmt):
+    for node in astutil.walk(stmt):
         body = getattr(node, "body", None)
         if isinstance(node, DEFINITIONS) and body and isinstance(body[0], ast.Expr):
             value = body[0].value
@@ -509,7 +509,7 @@ def _mark_reasons(tree: ast.AST) -> list[str]:
     """Put a marker statement (`_fusegen_reason_<i>`) before each statement of `tree` carrying a reason
     (`astutil.with_reason`), in place; the reasons, by marker index."""
     reasons: list[str] = []
-    for node in ast.walk(tree):
+    for node in astutil.walk(tree):
         for name in BLOCK_FIELDS:
             block = getattr(node, name, None)
             if not isinstance(block, list):

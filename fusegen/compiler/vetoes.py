@@ -126,7 +126,7 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes
             continue
         namespace = vars(sys.modules[cls.__module__])
         guards, parent_of = isinstance_guards(classdef, namespace), astutil.parent_map(classdef)
-        for node in ast.walk(classdef):
+        for node in astutil.walk(classdef):
             if not isinstance(node, ast.Attribute) or astutil.self_attr(node):
                 continue
             for merged, class_name, projections in names:

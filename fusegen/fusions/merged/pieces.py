@@ -27,7 +27,7 @@ import types
 from torch import nn
 
 from fusegen.core import vocabulary
-from fusegen.core.astutil import enclosing_loop_or_scope, parent_map, self_attr
+from fusegen.core.astutil import enclosing_loop_or_scope, parent_map, self_attr, walk
 from fusegen.fusions.merged import dataflow, live, lookup, region_rules
 
 COPIES: bool = True
@@ -61,11 +61,11 @@ def module_effect_free(child: object) -> bool:
 def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Module | None, namespace: dict) -> bool:
     """Is a piece whose possible aliases are `tracked` stored away, returned, or handed to unproven code?"""
     local = dataflow.local_names(funcdef)
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if isinstance(node, ast.Return) and node.value is not None and _holds(node.value, tracked):
             return True
         stored = isinstance(node, ast.Assign) and any(
-            isinstance(t, (ast.Attribute, ast.Subscript)) for target in node.targets for t in ast.walk(target)
+            isinstance(t, (ast.Attribute, ast.Subscript)) for target in node.targets for t in walk(target)
         )
         if stored and _holds(node.value, tracked):
             return True
@@ -126,7 +126,7 @@ def needs_contiguous(funcdef: ast.FunctionDef, temp: str, tracked: set[str], inp
     """Does the layout of the piece `temp` (possible aliases `tracked`) show: an unproven `.view` or a layout read?"""
     direct = _direct_names(funcdef, temp)
     parent_of = parent_map(funcdef)
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         receiver = node.func.value
@@ -169,7 +169,7 @@ def _reaches_as_piece(funcdef: ast.FunctionDef, read: ast.Name, direct: set[str]
     if enclosing_loop_or_scope(funcdef, read, parent_of) is not None:
         return False
     earlier = []
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if isinstance(node, ast.Name) and node.id == read.id and isinstance(node.ctx, (ast.Store, ast.Del)):
             if enclosing_loop_or_scope(funcdef, node, parent_of) is not None:
                 return False
