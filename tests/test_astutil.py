@@ -4,7 +4,7 @@ import ast
 import copy
 import inspect
 
-import transformers.models.llama.modeling_llama as modeling_llama
+from transformers.models.llama import modeling_llama
 
 from fusegen.core import astutil
 
