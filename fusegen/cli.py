@@ -166,8 +166,8 @@ def frozen_heap():
     short-lived objects (syntax trees, tensors, graphs); with the default threshold the young generation was
     collected some 300 times (0.1 s), mostly finding objects that reference counting frees a moment later anyway.
     The collector still reclaims every cycle the build leaves, only later (a young one after at most
-    `YOUNG_THRESHOLD` more net allocations); nothing the build computes or checks reads the collector, so no result changes (docs/benchmarks.md,
-    "The build against the floor")."""
+    `YOUNG_THRESHOLD` more net allocations); nothing the build computes or checks reads the collector, so no result
+    changes (docs/benchmarks.md, "The build's own work, cut")."""
     thresholds = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(YOUNG_THRESHOLD, *thresholds[1:])
