@@ -27,8 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = "import transformers.models.llama.modeling_llama, transformers.models.qwen2.modeling_qwen2"
 UNVALIDATED = (
-    "from fusegen.cli import quiet_openmp\nquiet_openmp()\n"  # as `fusegen` runs: before torch loads
-    "from fusegen.compiler.build import build\nfor name in ('llama', 'qwen2'):\n    build(name, validate=False)"
+    "from fusegen.cli import frozen_heap, quiet_openmp\nquiet_openmp()\n"  # as `fusegen` runs: before torch loads
+    "from fusegen.compiler.build import build\nwith frozen_heap():\n"  # and with the collector set as `fusegen build`'s
+    "    for name in ('llama', 'qwen2'):\n        build(name, validate=False)"
 )
 
 

@@ -325,3 +325,24 @@ def test_a_recorded_dict_is_iterated_by_its_keys_items_and_values():
     trace = trace_module(module, recorded)
     assert trace.error is None
     assert [plan.merged for plan in find_groups(trace.graph, module)] == ["qkv_proj"]
+
+
+def test_recording_stops_the_forward_once_every_module_has_its_call_and_records_the_same():
+    from fusegen.compiler.instantiate import candidates, instantiate
+    from fusegen.compiler.resolve import resolve
+
+    model = instantiate(resolve("llama"))  # the default config: 32 layers on meta
+    found = list(candidates(model).values())
+    last = model.model.layers[-1].self_attn
+    ran = []
+    handle = last.register_forward_pre_hook(lambda module, args: ran.append(module))
+    try:
+        recorded = record_inputs(model, found)
+    finally:
+        handle.remove()
+    assert {id(module) for module in found} <= recorded.keys()
+    assert ran == []  # the last layer never ran: the forward ended in the first layer
+    full = record_inputs(model, [*found, last])  # `last` is reached only by running every layer
+    for module in found:
+        (args, kwargs), (full_args, full_kwargs) = recorded[id(module)], full[id(module)]
+        assert [a.shape for a in args] == [a.shape for a in full_args] and kwargs.keys() == full_kwargs.keys()

@@ -14,7 +14,6 @@ whose kind shortened the name through again with the name their pieces join to
 from __future__ import annotations
 
 import ast
-import copy
 import dataclasses
 import inspect
 import sys
@@ -98,7 +97,7 @@ def analyse_class(
         outcome.refused = [Refusal(_subject(plan), refusal.rule, refusal.reason, refusal.line) for plan in plans]
         return outcome, None
     taken = {name: None for name, _ in instance.named_children()}
-    taken.update({node.attr: node for node in ast.walk(classdef) if astutil.self_attr(node)})
+    taken.update({node.attr: node for node in astutil.walk(classdef) if astutil.self_attr(node)})
     queue = list(plans)
     while queue:
         plan = queue.pop(0)
@@ -106,7 +105,7 @@ def analyse_class(
             outcome.refused.append(plan)
             continue
         kind = fusions.kind(plan.kind)
-        candidate = copy.deepcopy(classdef)
+        candidate = astutil.copy_tree(classdef)
         try:
             kind.check(instance, plan)
         except Refused as refusal:
@@ -178,7 +177,7 @@ def _fusable_source(cls: type) -> ast.ClassDef:
     for name in ("__init__", "forward"):
         if astutil.method(classdef, name) is None:
             raise Refused("inherited-method", f"{cls.__name__} inherits {name} instead of defining it")
-    for node in ast.walk(classdef):
+    for node in astutil.walk(classdef):
         name = getattr(node, "attr", None) or getattr(node, "id", None)
         if isinstance(name, str) and name.startswith("__") and not name.endswith("__"):
             raise Refused("name-mangled", f"{cls.__name__} uses the name-mangled name {name}", node)

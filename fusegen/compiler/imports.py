@@ -16,6 +16,7 @@ import symtable
 import sys
 from types import ModuleType
 
+from fusegen.core.astutil import walk
 from fusegen.errors import InputError
 
 RUNTIME_MODULE = "fusegen.runtime"
@@ -66,7 +67,7 @@ def use(used: dict[str, tuple[ModuleType | None, str]], name: str, item) -> None
     if previous is module or getattr(previous, name, None) is getattr(module, name, None):
         return
     alias = f"{module.__name__.rpartition('.')[2].removeprefix('modeling_')}_{name}"
-    for node in ast.walk(item.classdef):
+    for node in walk(item.classdef):
         if isinstance(node, ast.Name) and node.id == name:
             node.id = alias
     used[alias] = (module, name)

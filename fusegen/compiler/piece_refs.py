@@ -54,16 +54,18 @@ def isinstance_guards(classdef: ast.ClassDef, namespace: dict) -> Guards:
     that rebinds `name` anywhere (assignment, loop or `with` target) drops the guard for all of it.
     """
     guards: Guards = {}
-    for statement in ast.walk(classdef):
+    for statement in astutil.walk(classdef):
         if not isinstance(statement, ast.If):
             continue
         test = statement.test
         tests = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
         for name, classes in filter(None, (_isinstance_test(each, namespace) for each in tests)):
             body = ast.Module(body=statement.body, type_ignores=[])
-            if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(body)):
+            if any(
+                isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in astutil.walk(body)
+            ):
                 continue
-            for node in ast.walk(body):
+            for node in astutil.walk(body):
                 guards.setdefault(id(node), []).append((name, classes))
     return guards
 
@@ -128,7 +130,7 @@ def _uses_only_weight_and_bias(function, position: int) -> bool:
         return False
     name = arguments[position].arg
     parent_of = astutil.parent_map(definition)
-    for use in (n for n in ast.walk(definition) if isinstance(n, ast.Name) and n.id == name):
+    for use in (n for n in astutil.walk(definition) if isinstance(n, ast.Name) and n.id == name):
         parent = parent_of.get(use)
         if isinstance(use.ctx, ast.Store):
             return False
@@ -161,7 +163,7 @@ def rewrite_piece_references(classdef: ast.ClassDef, namespace: dict, pieces: di
     guards = isinstance_guards(classdef, namespace)
     parent_of = astutil.parent_map(classdef)
     found = []
-    for node in ast.walk(classdef):
+    for node in astutil.walk(classdef):
         if not isinstance(node, ast.Attribute) or astutil.self_attr(node):
             continue
         for fused, projections in pieces.items():

@@ -14,7 +14,6 @@ naming its fused copy, where the config fixes which class that is
 from __future__ import annotations
 
 import ast
-import copy
 import inspect
 import sys
 from dataclasses import dataclass
@@ -79,7 +78,7 @@ class ClassTable:
         refuses to be built with a `ValueError` naming the entry, the class and the entries that are fused, so
         selecting it (`attn_implementation="flash_attention_2"`) fails clearly instead of with a bare KeyError.
         """
-        statement = copy.deepcopy(self.statement)
+        statement = astutil.copy_tree(self.statement)
         left_out = {key: name for key, name in self.entries.items() if name not in built}
         kept = [key for key, name in self.entries.items() if name in built]
         stubs: dict[str, ast.ClassDef] = {}
@@ -130,7 +129,7 @@ def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted
     config_is_parameter = _config_is_the_parameter(init)
     instances = [module for module in model.modules() if type(module) is cls]
     module = sys.modules[cls.__module__]
-    for stmt in ast.walk(init) if instances else []:
+    for stmt in astutil.walk(init) if instances else []:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and astutil.self_attr(stmt.targets[0])):
             continue
         call = stmt.value
@@ -203,7 +202,7 @@ def _config_is_the_parameter(init: ast.FunctionDef) -> bool:
         return False
     return not any(
         isinstance(node, ast.Name) and node.id == "config" and not isinstance(node.ctx, ast.Load)
-        for node in ast.walk(init)
+        for node in astutil.walk(init)
     )
 
 
@@ -428,10 +427,10 @@ def _from_config_call(cls: type | None, attribute: str) -> ast.Call | None:
         init = astutil.method(astutil.parse_class(cls), "__init__")
     except Refused:
         return None
-    for stmt in ast.walk(init) if init else []:
+    for stmt in astutil.walk(init) if init else []:
         if not (isinstance(stmt, ast.Assign) and any(astutil.self_attr(t, attribute) for t in stmt.targets)):
             continue
-        for node in ast.walk(stmt.value):
+        for node in astutil.walk(stmt.value):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_config":
                 return node
     return None
@@ -441,16 +440,16 @@ def _built_names(function: ast.FunctionDef) -> set[str]:
     """Names a method reads, except as the type in `isinstance`/`issubclass` (a check, not a construction)."""
     checked = {
         id(node)
-        for call in ast.walk(function)
+        for call in astutil.walk(function)
         if isinstance(call, ast.Call)
         and isinstance(call.func, ast.Name)
         and call.func.id in ("isinstance", "issubclass")
         for argument in call.args[1:]
-        for node in ast.walk(argument)
+        for node in astutil.walk(argument)
     }
     return {
         node.id
-        for node in ast.walk(function)
+        for node in astutil.walk(function)
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and id(node) not in checked
     }
 
@@ -516,7 +515,7 @@ def rename_classes(classdef: ast.ClassDef, renames: dict[str, str]) -> None:
     """
     if isinstance(classdef, ast.ClassDef) and classdef.name in renames:
         classdef.name = renames[classdef.name]
-    for node in ast.walk(classdef):
+    for node in astutil.walk(classdef):
         if isinstance(node, ast.Name) and node.id in renames:
             node.id = renames[node.id]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in renames:

@@ -72,7 +72,7 @@ def _class_tables(classes, holders: set[str]) -> dict[str, set[str]]:
     for filename in sorted({inspect.getsourcefile(cls) or "" for cls in classes} - {""}):
         for stmt in astutil.module_tree(filename).body:
             if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-                named = {n.id for n in ast.walk(stmt.value) if isinstance(n, ast.Name) and n.id in holders}
+                named = {n.id for n in astutil.walk(stmt.value) if isinstance(n, ast.Name) and n.id in holders}
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
                 for target in targets:
                     if isinstance(target, ast.Name) and named:
@@ -95,7 +95,7 @@ def holder_references(
     direct: dict[int, str] = {}
     skipped: set[int] = set()
     functions = [stmt for stmt in classdef.body if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    for node in (n for function in functions for n in ast.walk(function)):
+    for node in (n for function in functions for n in astutil.walk(function)):
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if len(targets) == 1 and astutil.self_attr(targets[0]) and node.value is not None:
@@ -104,11 +104,11 @@ def holder_references(
                     direct[id(table)] = targets[0].attr
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id in ("isinstance", "issubclass"):
-                skipped.update(id(n) for argument in node.args[1:] for n in ast.walk(argument))
+                skipped.update(id(n) for argument in node.args[1:] for n in astutil.walk(argument))
             elif node.func.id == "super" and node.args:
                 skipped.add(id(node.args[0]))
     references = []
-    for node in (n for function in functions for n in ast.walk(function)):
+    for node in (n for function in functions for n in astutil.walk(function)):
         if isinstance(node, ast.Name) and id(node) not in skipped:
             for holder in {node.id} & holders | tables.get(node.id, set()):
                 references.append((holder, direct.get(id(node), "")))

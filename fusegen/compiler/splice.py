@@ -177,8 +177,8 @@ def _covers(edit: Edit, offset: int) -> bool:
 
 def _dump(stmt: ast.stmt) -> str:
     """`ast.dump` with each docstring's lines stripped: black re-indents docstrings, which changes nothing else."""
-    stmt = copy.deepcopy(stmt)
-    for node in ast.walk(stmt):
+    stmt = astutil.copy_tree(stmt)
+    for node in astutil.walk(stmt):
         body = getattr(node, "body", None)
         if isinstance(node, DEFINITIONS) and body and isinstance(body[0], ast.Expr):
             value = body[0].value
@@ -476,7 +476,7 @@ def _format(statements: list[ast.stmt], indent: str) -> str:
     if len(indent) % 4 or indent.strip():
         raise SpliceError(f"indentation {indent!r} is not a multiple of four spaces")
     depth = len(indent) // 4
-    body: list[ast.stmt] = copy.deepcopy(list(statements))  # reasons become marker statements in the copy
+    body: list[ast.stmt] = astutil.copy_tree(list(statements))  # reasons become marker statements in the copy
     for level in reversed(range(depth)):
         if level == 0:
             body = [ast.ClassDef(name="_", bases=[], keywords=[], body=body, decorator_list=[])]
@@ -509,7 +509,7 @@ def _mark_reasons(tree: ast.AST) -> list[str]:
     """Put a marker statement (`_fusegen_reason_<i>`) before each statement of `tree` carrying a reason
     (`astutil.with_reason`), in place; the reasons, by marker index."""
     reasons: list[str] = []
-    for node in ast.walk(tree):
+    for node in astutil.walk(tree):
         for name in BLOCK_FIELDS:
             block = getattr(node, name, None)
             if not isinstance(block, list):

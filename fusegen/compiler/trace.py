@@ -362,12 +362,15 @@ def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -
     """
     recorded: dict[int, Recorded] = {}
     sink = [recorded]  # where the hook records: a scratch dict while `_record_signals` tries a layout
+    wanted = {id(module) for module in modules}
 
     def hook(module, args, kwargs):
         if id(module) not in sink[0] and id(module) not in recorded:
             snapshot = _snapshot((args, dict(kwargs)))
             if snapshot is not None:
                 sink[0][id(module)] = snapshot
+        if sink[0] is recorded and wanted <= recorded.keys():
+            raise _AllRecorded  # the rest of the forward would record nothing (see `_AllRecorded`)
 
     handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in modules]
     modes = {module: module.training for module in model.modules()}
@@ -390,6 +393,16 @@ def record_inputs(model: nn.Module, modules: list[nn.Module], length: int = 5) -
         for config, implementation in experts:
             config._experts_implementation = implementation
     return recorded
+
+
+class _AllRecorded(Exception):
+    """Raised by `record_inputs`' hook once every module of its list has its call recorded, to end the forward there.
+
+    Nothing is lost: the hook keeps only each module's first call, as a deep copy taken when the call is made
+    (`_snapshot`), so what the forward would still run (for a default config, every layer after the first and the
+    head) could record nothing and change nothing recorded; `record_inputs` stops its runs once all are recorded
+    anyway. Only the token runs stop early: while `_record_signals` tries a layout (recording into a scratch dict),
+    whether that layout's forward runs to the end decides which layout's calls are kept, so those run in full."""
 
 
 def _record_signals(model: nn.Module, sink: list) -> dict[int, Recorded]:
@@ -450,6 +463,8 @@ def _run(root: nn.Module, length: int, **options) -> bool:
         try:
             with torch.no_grad():
                 root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"), **images, **options)
+        except _AllRecorded:
+            return True
         # placing image features among meta tokens fails after the tower ran; the text-only runs below go on
         except Exception:  # noqa: BLE001, S110
             pass
@@ -461,6 +476,8 @@ def _run(root: nn.Module, length: int, **options) -> bool:
         try:
             with torch.no_grad():
                 root(input_ids=torch.zeros(2, length, dtype=torch.long, device="meta"), **given, **options)
+        except _AllRecorded:
+            return True
         # upstream code on meta may fail part-way; what was recorded is still right
         except Exception:  # noqa: BLE001, S112
             continue

@@ -21,12 +21,13 @@ from fusegen.core.plan import ClassOutcome, Refused, Veto, Vetoes, merged_linear
 
 def find_vetoes(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
     """Fusions to refuse for reasons outside their class: `{class: {merged: Veto(rule, reason)}}`."""
-    vetoes = checkpoint_conflicts(model, outcomes)
+    parents = checkpoint_scopes(model, outcomes)  # read by two of them: computed once
+    vetoes = checkpoint_conflicts(model, outcomes, parents)
     for found in (
         prefused_checkpoints(model, outcomes),
         outside_references(model, outcomes),
         merged_names_reused(outcomes),
-        pieces_merged_apart(model, outcomes),
+        pieces_merged_apart(model, outcomes, parents),
     ):
         for class_name, reasons in found.items():
             vetoes.setdefault(class_name, {}).update(reasons)
@@ -58,7 +59,9 @@ def merged_names_reused(outcomes: list[ClassOutcome]) -> Vetoes:
     return vetoes
 
 
-def pieces_merged_apart(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
+def pieces_merged_apart(
+    model: nn.Module, outcomes: list[ClassOutcome], parents: dict[str, list[str]] | None = None
+) -> Vetoes:
     """Fusions of two classes that merge a projection of one checkpoint name into different merged linears.
 
     Kimi Linear's and Bailing's hybrid layers hold their linear attention and their MLA attention at the same
@@ -68,8 +71,9 @@ def pieces_merged_apart(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoe
     per tensor) and of the TP plan cannot express, and which changes with the config's `layer_types`. Both
     fusions are refused, naming the tensors. (Refusing only one would leave that class's `q_proj` unfused at the
     same path, which `checkpoint_conflicts` refuses in the other.) Scopes that do not overlap keep them apart.
+    `parents`: `checkpoint_scopes(model, outcomes)`, if the caller has it.
     """
-    parents = checkpoint_scopes(model, outcomes)
+    parents = checkpoint_scopes(model, outcomes) if parents is None else parents
     first_path: dict[str, str] = {}
     for path, module in model.named_modules():
         first_path.setdefault(type(module).__name__, path)
@@ -126,7 +130,7 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes
             continue
         namespace = vars(sys.modules[cls.__module__])
         guards, parent_of = isinstance_guards(classdef, namespace), astutil.parent_map(classdef)
-        for node in ast.walk(classdef):
+        for node in astutil.walk(classdef):
             if not isinstance(node, ast.Attribute) or astutil.self_attr(node):
                 continue
             for merged, class_name, projections in names:
@@ -180,7 +184,9 @@ def prefused_checkpoints(model: nn.Module, outcomes: list[ClassOutcome]) -> Veto
     return vetoes
 
 
-def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes:
+def checkpoint_conflicts(
+    model: nn.Module, outcomes: list[ClassOutcome], parents: dict[str, list[str]] | None = None
+) -> Vetoes:
     """Fusions whose checkpoint names an unfused module shares: `{class: {merged: Veto(rule, reason)}}`.
 
     A hybrid model may keep, at the same path (`layers.N.self_attn.q_proj`), a
@@ -198,8 +204,9 @@ def checkpoint_conflicts(model: nn.Module, outcomes: list[ClassOutcome]) -> Veto
     the instantiated model only: an unfused module at such a path in another
     config still loads exactly, but under tensor parallelism its pieces would
     match no rule (left replicated); that gap is not closed here.
+    `parents`: `checkpoint_scopes(model, outcomes)`, if the caller has it.
     """
-    parents = checkpoint_scopes(model, outcomes)
+    parents = checkpoint_scopes(model, outcomes) if parents is None else parents
     fused_classes = {o.class_name: o for o in outcomes if o.fused}
     merged_away = {name: _merged_away(outcome) for name, outcome in fused_classes.items()}
     conflicts: Vetoes = {}

@@ -7,6 +7,7 @@ import copy
 import functools
 import inspect
 import linecache
+from collections import deque
 
 from fusegen.core.plan import Refused
 
@@ -58,7 +59,63 @@ def parse_class(cls: type) -> ast.ClassDef:
     ]
     if len(found) != 1:
         raise Refused("no-source", f"{cls.__name__} is defined {len(found)} times at the top of {filename}")
-    return copy.deepcopy(found[0])
+    return copy_tree(found[0])
+
+
+def walk(node: ast.AST):
+    """`ast.walk(node)`: every node under `node`, `node` first, in the same breadth-first order, twice as fast.
+
+    The same traversal as the standard library's: each node's children (its fields in `_fields` order, a list field's
+    nodes in list order) are queued before the node is yielded, so a consumer that edits a node it was given still
+    gets that node's old children; only the per-node generator and `iter_fields` layers are gone. The analysis walks
+    class trees some 190,000 nodes per `build llama qwen2`."""
+    todo = deque([node])
+    popleft, append, extend = todo.popleft, todo.append, todo.extend
+    while todo:
+        node = popleft()
+        for name in node._fields:
+            try:
+                value = getattr(node, name)
+            except AttributeError:
+                continue
+            if isinstance(value, ast.AST):
+                append(value)
+            elif isinstance(value, list):
+                extend([item for item in value if isinstance(item, ast.AST)])
+        yield node
+
+
+_ATOMS = (str, int, float, complex, bool, bytes, type(None), type(Ellipsis))
+
+
+def copy_tree(node):
+    """`copy.deepcopy(node)` for a syntax tree (a node, or a list of them), three times faster.
+
+    Every node is rebuilt from its attribute dict (fields, positions, and any mark a rewrite set, such as `REASON`);
+    nodes and lists are copied, atoms (`str`, numbers, `None`, ...: what `ast` fields hold, immutable) are shared,
+    anything else is handed to `copy.deepcopy`. A node met twice becomes one copy met twice, as with `deepcopy`'s
+    memo, so the copy has the same shape of sharing as the original and no object in common with it but atoms. (The
+    memo is keyed by `id`, as `deepcopy`'s is: the tree being copied is alive throughout, so no id is reused.)"""
+    return _copy(node, {})
+
+
+def _copy(value, memo: dict):
+    if isinstance(value, _ATOMS):
+        return value
+    copied = memo.get(id(value))
+    if copied is not None:
+        return copied
+    if isinstance(value, ast.AST):
+        copied = memo[id(value)] = value.__class__.__new__(value.__class__)
+        state = copied.__dict__
+        for key, item in value.__dict__.items():
+            state[key] = _copy(item, memo)
+        return copied
+    if type(value) is list:
+        copied = memo[id(value)] = []
+        copied.extend(_copy(item, memo) for item in value)
+        return copied
+    return copy.deepcopy(value, memo)
 
 
 @functools.lru_cache(maxsize=64)
@@ -87,7 +144,7 @@ def self_attr(node: ast.AST, name: str | None = None) -> bool:
 
 def self_refs(tree: ast.AST, name: str) -> list[ast.Attribute]:
     """Every `self.<name>` expression under `tree`, in source order."""
-    return [node for node in ast.walk(tree) if self_attr(node, name)]
+    return [node for node in walk(tree) if self_attr(node, name)]
 
 
 def same_expr(a: ast.AST, b: ast.AST) -> bool:
@@ -97,13 +154,13 @@ def same_expr(a: ast.AST, b: ast.AST) -> bool:
 
 def loaded_names(node: ast.AST) -> set[str]:
     """Names read anywhere under `node`."""
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return {n.id for n in walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def all_names(node: ast.AST) -> set[str]:
     """Every identifier bound or read under `node`, so new ones can avoid them."""
-    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-    names |= {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
+    names = {n.id for n in walk(node) if isinstance(n, ast.Name)}
+    names |= {n.arg for n in walk(node) if isinstance(n, ast.arg)}
     return names
 
 
@@ -118,12 +175,12 @@ def fresh_name(base: str, taken: set[str]) -> str:
 
 def parent_map(tree: ast.AST) -> dict[ast.AST, ast.AST]:
     """Map each node under `tree` to its parent."""
-    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    return {child: node for node in walk(tree) for child in ast.iter_child_nodes(node)}
 
 
 def replace_node(tree: ast.AST, old: ast.AST, new: ast.AST) -> None:
     """Replace `old` (by identity) with `new` wherever it sits under `tree`."""
-    for node in ast.walk(tree):
+    for node in walk(tree):
         for field, value in ast.iter_fields(node):
             if value is old:
                 setattr(node, field, new)
@@ -151,7 +208,7 @@ def block_path(block: list[ast.stmt], node: ast.AST) -> list[tuple[list[ast.stmt
     block that dominates them all.
     """
     for index, stmt in enumerate(block):
-        if not any(child is node for child in ast.walk(stmt)):
+        if not any(child is node for child in walk(stmt)):
             continue
         for inner in child_blocks(stmt):
             tail = block_path(inner, node)

@@ -225,7 +225,7 @@ def _same_spelling_subplans(forward: ast.FunctionDef, plan: FusionPlan) -> list[
     for name in plan.projections:
         calls = [
             node
-            for node in ast.walk(forward)
+            for node in astutil.walk(forward)
             if isinstance(node, ast.Call) and astutil.self_attr(node.func, name) and _one_input(node) is not None
         ]
         if len(calls) == 1:
@@ -253,7 +253,7 @@ def _called_before_subplans(forward: ast.FunctionDef, plan: FusionPlan, line: in
     names = []
     for name in plan.projections:
         calls = [
-            node for node in ast.walk(forward) if isinstance(node, ast.Call) and astutil.self_attr(node.func, name)
+            node for node in astutil.walk(forward) if isinstance(node, ast.Call) and astutil.self_attr(node.func, name)
         ]
         if len(calls) == 1 and calls[0].lineno < line:
             names.append(name)

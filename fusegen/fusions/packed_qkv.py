@@ -239,7 +239,7 @@ def _packed_assignment(init: ast.FunctionDef | None, entry: PackedClass) -> ast.
     """The one `self.<packed> = <linear>(in, <out_features>, ...)` of `__init__` (the self-attention one)."""
     found = [
         node
-        for node in (ast.walk(init) if init is not None else ())
+        for node in (astutil.walk(init) if init is not None else ())
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and astutil.self_attr(node.targets[0], entry.packed)
         and isinstance(node.value, ast.Call) and len(node.value.args) >= 2
         and ast.unparse(node.value.args[1]) == entry.out_features
@@ -255,7 +255,7 @@ def _packed_assignment(init: ast.FunctionDef | None, entry: PackedClass) -> ast.
 def _check_layout_inputs(init: ast.FunctionDef, assign: ast.Assign, expressions: list[ast.expr]) -> None:
     """Refuse unless every `self.` attribute the layout reads is assigned before the packed constructor and never
     after it, and no name it reads (`config`) is rebound in `__init__` (see the module docstring)."""
-    attrs = {node.attr for expr in expressions for node in ast.walk(expr) if astutil.self_attr(node)}
+    attrs = {node.attr for expr in expressions for node in astutil.walk(expr) if astutil.self_attr(node)}
     names = {name for expr in expressions for name in astutil.loaded_names(expr)} - {"self", ROW_LAYOUT}
     order = list(_preorder(init))  # source order, whatever line numbers edited statements carry
     position = {id(node): index for index, node in enumerate(order)}

@@ -15,7 +15,7 @@ import builtins
 
 from torch import nn
 
-from fusegen.core.astutil import self_attr
+from fusegen.core.astutil import self_attr, walk
 from fusegen.core.plan import Refused
 from fusegen.core.vocabulary import (
     FRESH_METHODS,
@@ -44,11 +44,11 @@ def input_names(arg: ast.expr) -> set[str]:
     projection; that is only the same if evaluating it has no effect and
     always gives the same value (a call such as `self.dropout(x)` does not).
     """
-    for node in ast.walk(arg):
+    for node in walk(arg):
         if not isinstance(node, (ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.Slice, ast.Tuple,
                                  ast.Load, ast.UnaryOp, ast.USub)):  # fmt: skip
             raise Refused("input-not-simple", f"the projection input `{ast.unparse(arg)}` computes a value", arg)
-    return {node.id for node in ast.walk(arg) if isinstance(node, ast.Name)}
+    return {node.id for node in walk(arg) if isinstance(node, ast.Name)}
 
 
 def may_alias(expr: ast.expr, tracked: set[str], module: nn.Module) -> bool:
@@ -110,14 +110,14 @@ def allocated_names(funcdef: ast.FunctionDef) -> set[str]:
         for target in targets:
             for name in bound_names(target):
                 values.setdefault(name, []).append(value if isinstance(target, ast.Name) else None)
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
             values[node.target.id] = [v for v in values.get(node.target.id, []) if v is not node.value]
-    parameters = {arg.arg for arg in ast.walk(funcdef.args) if isinstance(arg, ast.arg)}
-    declared = {n for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+    parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
+    declared = {n for node in walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
     set_receivers = {
         node.func.value.id
-        for node in ast.walk(funcdef)
+        for node in walk(funcdef)
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr == "set_"
@@ -204,7 +204,7 @@ def aliases_of(
     """`aliases`, with or without the names that come to hold an alias by being handed one (`stash`)."""
     found_bindings = list(bindings(funcdef))
     local = local_names(funcdef) - {"self"}
-    calls = [node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Call)] if stash else []
+    calls = [node for stmt in funcdef.body for node in walk(stmt) if isinstance(node, ast.Call)] if stash else []
     tracked = set(seeds)
     changed = True
     while changed:
@@ -267,7 +267,7 @@ def keeps_no_reference(call: ast.Call, tracked: set[str], module: nn.Module, nam
 
 def bindings(funcdef: ast.FunctionDef):
     """(targets, value) for every way `funcdef` binds a name to a value."""
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if isinstance(node, ast.Assign):
             yield node.targets, node.value
         elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:
@@ -287,7 +287,7 @@ def bindings(funcdef: ast.FunctionDef):
 def _captures(match: ast.Match) -> set[str]:
     """The names a `match` statement's patterns bind."""
     names = set()
-    for node in ast.walk(match):
+    for node in walk(match):
         if isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
             names.add(node.name)
         elif isinstance(node, ast.MatchMapping) and node.rest:
@@ -297,14 +297,14 @@ def _captures(match: ast.Match) -> set[str]:
 
 def loads(node: ast.AST) -> set[str]:
     """Names read anywhere under `node`."""
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return {n.id for n in walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def local_names(funcdef: ast.FunctionDef) -> set[str]:
     """Every name `funcdef` binds itself: such a name never denotes the module-level object of that name."""
-    names = {n.id for n in ast.walk(funcdef) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-    names |= {a.arg for a in ast.walk(funcdef) if isinstance(a, ast.arg)}
-    for node in ast.walk(funcdef):
+    names = {n.id for n in walk(funcdef) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    names |= {a.arg for a in walk(funcdef) if isinstance(a, ast.arg)}
+    for node in walk(funcdef):
         if (
             isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
             and node is not funcdef
@@ -324,4 +324,4 @@ def local_names(funcdef: ast.FunctionDef) -> set[str]:
 def region_nodes(region: list[ast.stmt]):
     """Every node of the region's statements, nested blocks and scopes included."""
     for stmt in region:
-        yield from ast.walk(stmt)
+        yield from walk(stmt)

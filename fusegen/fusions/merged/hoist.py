@@ -46,7 +46,7 @@ import types
 import torch
 from torch import nn
 
-from fusegen.core.astutil import enclosing_loop_or_scope, parent_map, self_attr
+from fusegen.core.astutil import enclosing_loop_or_scope, parent_map, self_attr, walk
 from fusegen.core.plan import Refused
 from fusegen.core.vocabulary import (
     FRAME_ATTRS,
@@ -171,7 +171,7 @@ def _state_attributes(value: ast.expr, module: nn.Module) -> list[str]:
     """The `self.<attr>` reads in `value` whose storage the value may share (`may_alias`), submodules and plain
     values excepted (see `check_no_state_source`)."""
     found = []
-    for node in ast.walk(value):
+    for node in walk(value):
         if not (self_attr(node) and isinstance(node.ctx, ast.Load)):
             continue
         held = getattr(module, node.attr, None)
@@ -236,7 +236,7 @@ def check_no_aliased_augassign(region: list[ast.stmt], tracked: set[str], names:
     """
     for node in region_nodes(region):
         if isinstance(node, ast.AugAssign):
-            targets = {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+            targets = {n.id for n in walk(node.target) if isinstance(n, ast.Name)}
             hit = targets & (tracked - names)
             if hit:
                 yield Refused("aliased-augassign", f"`{ast.unparse(node).strip()}` writes `{min(hit)}` in place", node)
@@ -251,7 +251,7 @@ def check_no_reflection(funcdef: ast.FunctionDef):
     the region and called inside it.
     """
     local = local_names(funcdef)
-    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+    for node in (node for stmt in funcdef.body for node in walk(stmt)):
         by_name = isinstance(node, ast.Name) and node.id in REFLECTION_NAMES and node.id not in local
         by_attribute = isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS | REFLECTION_NAMES
         if by_name or by_attribute:
@@ -268,7 +268,7 @@ def check_no_deferred_capture(funcdef: ast.FunctionDef, region: list[ast.stmt], 
     """
     end = max(getattr(node, "end_lineno", 0) or 0 for node in region_nodes(region))
     parent_of = parent_map(funcdef)
-    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+    for node in (node for stmt in funcdef.body for node in walk(stmt)):
         if isinstance(node, _SCOPES) and node.lineno <= end:
             captured = loads(node)  # the body, and the defaults and decorators evaluated with it
             if captured & tracked and not _unreachable_until(node, end, funcdef, parent_of):
@@ -302,13 +302,11 @@ def _unreachable_until(scope: ast.AST, end: int, funcdef: ast.FunctionDef, paren
         if not all(isinstance(target, ast.Name) for target in binder.targets):
             return False
         bound = {target.id for target in binder.targets}
-    declared = {
-        name for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for name in node.names
-    }
+    declared = {name for node in walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for name in node.names}
     if enclosing_loop_or_scope(funcdef, binder, parent_of) is not None or bound & declared:
         return False  # a `global` name is reachable from any function the region calls
-    inside = {id(node) for node in ast.walk(scope)}
-    reads = (node for stmt in funcdef.body for node in ast.walk(stmt) if isinstance(node, ast.Name))
+    inside = {id(node) for node in walk(scope)}
+    reads = (node for stmt in funcdef.body for node in walk(stmt) if isinstance(node, ast.Name))
     return not any(
         node.id in bound
         and isinstance(node.ctx, ast.Load)
@@ -335,10 +333,10 @@ def check_no_escape(
     inside = {id(node) for node in region_nodes(region)}
     keepers: dict[str, ast.Call] = {}
     for stmt in funcdef.body:
-        for node in ast.walk(stmt):
+        for node in walk(stmt):
             if isinstance(node, ast.Assign) and node.lineno <= end and may_alias(node.value, tracked, module):
                 for target in node.targets:
-                    for part in ast.walk(target):
+                    for part in walk(target):
                         stored = isinstance(part, (ast.Attribute, ast.Subscript)) and isinstance(part.ctx, ast.Store)
                         if stored and not may_alias(part.value, tracked, module):
                             yield Refused(
@@ -568,7 +566,7 @@ def check_no_opaque_aliases(
     local = local_names(funcdef) - {"self"}
     bound = aliases_of(funcdef, names, module, namespace, stash=False)  # aliases by binding: views, or opaque below
     makers: dict[str, list[ast.AST]] = {}
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if isinstance(node, ast.Call) and id(node) not in skip:
             for name in stash_targets(node, tracked, module, namespace, local) - bound:
                 makers.setdefault(name, []).append(node)
@@ -579,7 +577,7 @@ def check_no_opaque_aliases(
     for targets, value in bindings(funcdef):
         if not may_alias(value, tracked, module):
             continue
-        for call in (n for n in ast.walk(value) if isinstance(n, ast.Call) and id(n) not in skip):
+        for call in (n for n in walk(value) if isinstance(n, ast.Call) and id(n) not in skip):
             if call_may_alias(call, tracked, module) and not keeps_no_reference(call, tracked, module, namespace):
                 for name in (name for target in targets for name in bound_names(target)):
                     makers.setdefault(name, []).append(call)
@@ -587,7 +585,7 @@ def check_no_opaque_aliases(
     hits = {name: nodes for name, nodes in makers.items() if name not in names and name not in allocated}
     end = max(getattr(node, "end_lineno", 0) or 0 for node in region_nodes(region))
     parent_of = parent_map(funcdef)
-    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+    for node in (node for stmt in funcdef.body for node in walk(stmt)):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in hits and node.lineno <= end:
             if all(_read_first(node, maker, funcdef, parent_of) for maker in hits[node.id]):
                 continue
@@ -608,7 +606,7 @@ def _read_first(read: ast.Name, maker: ast.AST, funcdef: ast.FunctionDef, parent
         return False
     if maker.lineno > read.end_lineno:
         return True
-    return read is not maker and any(node is read for node in ast.walk(maker))
+    return read is not maker and any(node is read for node in walk(maker))
 
 
 def check_no_state_methods(region: list[ast.stmt], module: nn.Module):
@@ -636,7 +634,7 @@ def check_frame_access(funcdef: ast.FunctionDef, namespace: dict):
     """
     local = local_names(funcdef)
     for stmt in funcdef.body:
-        for node in ast.walk(stmt):
+        for node in walk(stmt):
             if isinstance(node, (ast.Name, ast.Attribute)) and _dotted(node):
                 function = resolve_dotted(node, namespace, local)
                 if isinstance(function, types.FunctionType) and _reaches_frame(function, set()):

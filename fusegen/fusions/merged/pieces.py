@@ -32,7 +32,7 @@ import types
 from torch import nn
 
 from fusegen.core import vocabulary
-from fusegen.core.astutil import enclosing_loop_or_scope, parent_map, self_attr
+from fusegen.core.astutil import enclosing_loop_or_scope, parent_map, self_attr, walk
 from fusegen.fusions.merged import dataflow, live, lookup, region_rules
 
 COPIES: bool = True
@@ -69,14 +69,14 @@ def module_effect_free(child: object) -> bool:
 def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Module | None, namespace: dict) -> bool:
     """Is a piece whose possible aliases are `tracked` stored away, returned, or handed to unproven code?"""
     local = dataflow.local_names(funcdef)
-    declared = {n for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
-    for node in ast.walk(funcdef):
+    declared = {n for node in walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+    for node in walk(funcdef):
         if isinstance(node, ast.Return) and node.value is not None and _carries(node.value, tracked, namespace, local):
             return True
         stored = isinstance(node, ast.Assign) and any(
             isinstance(t, (ast.Attribute, ast.Subscript)) or (isinstance(t, ast.Name) and t.id in declared)
             for target in node.targets
-            for t in ast.walk(target)
+            for t in walk(target)
         )
         if stored and _carries(node.value, tracked, namespace, local):
             return True
@@ -112,7 +112,7 @@ def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]
             _carries(e, tracked, namespace, local) for e in ast.iter_child_nodes(expr) if isinstance(e, ast.expr)
         )
     if isinstance(expr, ast.Lambda):
-        return any(isinstance(n, ast.Name) and n.id in tracked for n in ast.walk(expr.body))
+        return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(expr.body))
     if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):
         resolved = lookup.resolve_dotted(expr.func, namespace, local)
         if isinstance(resolved, type) and not (resolved.__module__ or "").startswith("torch"):
@@ -127,7 +127,7 @@ def _captures(node: ast.AST, tracked: set[str], funcdef: ast.FunctionDef) -> boo
     if node is funcdef or not isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     body = [node.body] if isinstance(node, ast.Lambda) else node.body
-    return any(isinstance(n, ast.Name) and n.id in tracked for stmt in body for n in ast.walk(stmt))
+    return any(isinstance(n, ast.Name) and n.id in tracked for stmt in body for n in walk(stmt))
 
 
 def _into_held_object(func: ast.expr, namespace: dict, local: set[str], module) -> bool:
@@ -183,7 +183,7 @@ def needs_contiguous(funcdef: ast.FunctionDef, temp: str, tracked: set[str], inp
     """Does the layout of the piece `temp` (possible aliases `tracked`) show: an unproven `.view` or a layout read?"""
     direct = _direct_names(funcdef, temp)
     parent_of = parent_map(funcdef)
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if _layout_shows(node, tracked):
             return True
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
@@ -259,7 +259,7 @@ def _reaches_as_piece(funcdef: ast.FunctionDef, read: ast.Name, direct: set[str]
     if enclosing_loop_or_scope(funcdef, read, parent_of) is not None:
         return False
     earlier = []
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if isinstance(node, ast.Name) and node.id == read.id and isinstance(node.ctx, (ast.Store, ast.Del)):
             if enclosing_loop_or_scope(funcdef, node, parent_of) is not None:
                 return False

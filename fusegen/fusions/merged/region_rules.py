@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusegen.core import vocabulary
-from fusegen.core.astutil import parent_map, self_attr
+from fusegen.core.astutil import parent_map, self_attr, walk
 from fusegen.core.plan import Refused
 from fusegen.fusions.merged import dataflow, lookup
 
@@ -221,9 +221,9 @@ def fresh_names(funcdef: ast.FunctionDef, module: nn.Module, namespace: dict, tr
     flow-insensitively) is an allocation (`torch.empty_like(x)`, `x.new_zeros(n)`, `.clone()`), a plain linear's
     output, a constant, or a view, item or arithmetic result of such names. Never a parameter, a `global` or
     `nonlocal` name, or a name bound by `for`, `with`, `match` or a walrus from anything else."""
-    parameters = {arg.arg for arg in ast.walk(funcdef.args) if isinstance(arg, ast.arg)}
-    declared = {n for node in ast.walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
-    augmented = {id(node.value) for node in ast.walk(funcdef) if isinstance(node, ast.AugAssign)}
+    parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
+    declared = {n for node in walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+    augmented = {id(node.value) for node in walk(funcdef) if isinstance(node, ast.AugAssign)}
     bindings: dict[str, list[ast.expr | None]] = {}
     for targets, value in dataflow.bindings(funcdef):
         if id(value) in augmented:
@@ -232,7 +232,7 @@ def fresh_names(funcdef: ast.FunctionDef, module: nn.Module, namespace: dict, tr
             plain = isinstance(target, ast.Name)
             for name in dataflow.bound_names(target):
                 bindings.setdefault(name, []).append(value if plain else None)
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if isinstance(node, (ast.For, ast.AsyncFor, ast.withitem, ast.comprehension)):
             target = node.target if not isinstance(node, ast.withitem) else node.optional_vars
             for name in dataflow.bound_names(target) if target is not None else ():
@@ -424,7 +424,7 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
     alias: the caller may have put the input where the callee reaches it (a cache object, a registry, a cell)."""
     tensors = tensor_names(funcdef, tracked, fresh, module, namespace, trusted)
     kwargs = funcdef.args.kwarg.arg if funcdef.args.kwarg else None
-    parameters = {arg.arg for arg in ast.walk(funcdef.args) if isinstance(arg, ast.arg)}
+    parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
     entered = {  # the context managers a `with` of the region enters: judged by `check_context`
         id(node.context_expr)
         for node in dataflow.region_nodes(region)
@@ -495,20 +495,20 @@ def known_names(funcdef, tensors, trusted, module, namespace, local) -> set[str]
     for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs):
         if arg.annotation is not None and not any(word in ast.unparse(arg.annotation) for word in ("Any", "object")):
             names.add(arg.arg)
-    parameters = {arg.arg for arg in ast.walk(funcdef.args) if isinstance(arg, ast.arg)}
+    parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
     bindings: dict[str, list] = {}
     for targets, value in dataflow.bindings(funcdef):
         for target in targets:
             for name in dataflow.bound_names(target):
                 bindings.setdefault(name, []).append(value)
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension, ast.withitem)):
             target = node.target if not isinstance(node, ast.withitem) else node.optional_vars
             for name in dataflow.bound_names(target) if target is not None else ():
                 bindings.setdefault(name, []).append(None)  # an element of an iterable, a context's value: unknown
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not funcdef:
             bindings.setdefault(node.name, []).append(None)
-    for node in ast.walk(funcdef):  # `for i in range(n)`: ints (when `range` is the builtin and `n` is known)
+    for node in walk(funcdef):  # `for i in range(n)`: ints (when `range` is the builtin and `n` is known)
         if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
             loop = node.iter
             builtin_range = isinstance(loop, ast.Call) and lookup.resolve_dotted(loop.func, namespace, local) is range
@@ -732,7 +732,7 @@ def local_lambdas(funcdef: ast.FunctionDef, namespace: dict, local: set[str]) ->
     def bound(name: str) -> None:
         counts[name] = counts.get(name, 0) + 1
 
-    for node in ast.walk(funcdef):
+    for node in walk(funcdef):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
             bound(node.id)
         elif isinstance(node, ast.arg):
@@ -766,8 +766,8 @@ def local_lambdas(funcdef: ast.FunctionDef, namespace: dict, local: set[str]) ->
         lam = stmt.value
         if lam.args.defaults or any(default is not None for default in lam.args.kw_defaults):
             continue
-        own = {arg.arg for arg in ast.walk(lam.args) if isinstance(arg, ast.arg)}
-        read = {n.id for n in ast.walk(lam.body) if isinstance(n, ast.Name)}
+        own = {arg.arg for arg in walk(lam.args) if isinstance(arg, ast.arg)}
+        read = {n.id for n in walk(lam.body) if isinstance(n, ast.Name)}
         if (read - own) & local:
             continue
         # evaluating a lambda without defaults only makes the function object: no code of the case runs here
@@ -783,7 +783,7 @@ def tensor_names(funcdef, tracked, fresh, module, namespace, trusted=frozenset()
     the bindings run (each reads only names bound before it). What a Transformers object handed in holds
     (`key, value = shared_kv_states[kind]`) counts as tensors (`transformers_typed`, in `trusted`)."""
     names = set(tracked) | set(fresh) | set(trusted)
-    parameters = {arg.arg for arg in ast.walk(funcdef.args) if isinstance(arg, ast.arg)}
+    parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
     for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs):
         if arg.annotation is not None and "Tensor" in ast.unparse(arg.annotation):
             names.add(arg.arg)
@@ -816,7 +816,7 @@ def transformers_typed(funcdef: ast.FunctionDef, namespace: dict) -> set[str]:
             continue
         classes = [
             lookup.resolve_dotted(node, namespace)
-            for node in ast.walk(arg.annotation)
+            for node in walk(arg.annotation)
             if isinstance(node, (ast.Name, ast.Attribute))
         ]
         classes = [c for c in classes if isinstance(c, type)]
@@ -995,7 +995,7 @@ def check_projection_identity(funcdef, region, projections, module, namespace, l
     linear where there were several."""
     inside = {id(node) for node in dataflow.region_nodes(region)}
     cls = type(module)
-    for node in (node for stmt in funcdef.body for node in ast.walk(stmt)):
+    for node in (node for stmt in funcdef.body for node in walk(stmt)):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
             if node.attr in SELF_REFLECTION:
                 yield Refused("projection-identity", f"`{ast.unparse(node)}` reaches the module's children", node)

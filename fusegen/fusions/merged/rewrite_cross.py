@@ -198,7 +198,7 @@ def _stores(funcdef: ast.FunctionDef, name: str) -> list[ast.AST]:
     `except ... as`, match captures, nested definitions and `global`/`nonlocal` declarations."""
     parent_of = astutil.parent_map(funcdef)
     found = []
-    for node in ast.walk(funcdef):
+    for node in astutil.walk(funcdef):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id == name:
             holder = parent_of.get(node)
             found.append(holder if isinstance(holder, ast.Assign) and node in holder.targets else node)
@@ -269,7 +269,7 @@ def _prefix(stmt: ast.stmt, nodes: list[ast.AST]) -> list[ast.stmt]:
 
 
 def _contains(tree: ast.AST, node: ast.AST) -> bool:
-    return any(child is node for child in ast.walk(tree))
+    return any(child is node for child in astutil.walk(tree))
 
 
 def _splice(funcdef, plan, calls, shared, own, switch, shared_site, own_site, module) -> None:

@@ -77,7 +77,7 @@ def absent_linears_present(module: nn.Module, namespace: dict):
     other configs (`fusegen/compiler/validate.py`).
     """
     stand_ins = {}
-    for stmt in ast.walk(astutil.method(astutil.parse_class(type(module)), "__init__") or ast.Module(body=[])):
+    for stmt in astutil.walk(astutil.method(astutil.parse_class(type(module)), "__init__") or ast.Module(body=[])):
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and astutil.self_attr(stmt.targets[0])):
             continue
         value, name = stmt.value, stmt.targets[0].attr
@@ -115,7 +115,7 @@ def single_call(funcdef: ast.FunctionDef, name: str, merged: str | None = None) 
     """
     refs = astutil.self_refs(funcdef, name)
     calls = [
-        node for node in ast.walk(funcdef) if isinstance(node, ast.Call) and any(node.func is ref for ref in refs)
+        node for node in astutil.walk(funcdef) if isinstance(node, ast.Call) and any(node.func is ref for ref in refs)
     ]
     if len(calls) != 1:
         where = calls[1] if len(calls) > 1 else funcdef
@@ -310,7 +310,7 @@ def detach_written_pieces(
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and node.func.id in REFLECTION_NAMES | ATTRIBUTE_BY_NAME
-        for node in ast.walk(funcdef)
+        for node in astutil.walk(funcdef)
     )
     namespace = vars(sys.modules[type(module).__module__]) if module is not None else {}
     treated = []
@@ -333,9 +333,9 @@ def _written_in_place(funcdef: ast.FunctionDef, tracked: set[str]) -> bool:
     """Does anything in `funcdef` possibly write a tensor named in `tracked` in place? (See `detach_written_pieces`.)"""
 
     def mentions(node: ast.AST | None) -> bool:
-        return node is not None and any(isinstance(n, ast.Name) and n.id in tracked for n in ast.walk(node))
+        return node is not None and any(isinstance(n, ast.Name) and n.id in tracked for n in astutil.walk(node))
 
-    for node in ast.walk(funcdef):
+    for node in astutil.walk(funcdef):
         if isinstance(node, ast.AugAssign) and mentions(node.target):
             return True
         stored = isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del))

@@ -59,7 +59,7 @@ def rewrite_init(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: dict) ->
     merged = ast.parse(f"self.{plan.merged} = {MERGED_LINEAR}(__in__, [{widths}], bias=__bias__)").body[0]
     fills = {"__in__": in_features, "__bias__": bias}
     fills.update({f"__out{i}__": bound["out_features"] for i, bound in enumerate(arguments)})
-    for node in [n for n in ast.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:
+    for node in [n for n in astutil.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:
         astutil.replace_node(merged, node, copy.deepcopy(fills[node.id]))  # the originals may stay in use
     sizes = ast.parse(f"self.{sizes_attribute(plan.merged)} = self.{plan.merged}.output_sizes").body[0]
     new = [merged, sizes]
@@ -195,7 +195,7 @@ def constructor_assignment(funcdef: ast.FunctionDef, name: str) -> ast.Assign:
     refs = astutil.self_refs(funcdef, name)
     assigns = [
         stmt
-        for stmt in ast.walk(funcdef)
+        for stmt in astutil.walk(funcdef)
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and any(stmt.targets[0] is ref for ref in refs)
     ]
     if len(assigns) != 1 or len(refs) != 1:
@@ -249,11 +249,11 @@ def _check_inputs_stable(span: list[ast.stmt], assigns: list[ast.Assign], argume
         for expr in bound.values():
             if isinstance(expr, ast.AST):
                 read_names |= astutil.loaded_names(expr) - {"self"}
-                read_attrs |= {n.attr for n in ast.walk(expr) if astutil.self_attr(n)}
+                read_attrs |= {n.attr for n in astutil.walk(expr) if astutil.self_attr(n)}
     for stmt in span:
         if stmt in assigns:
             continue
-        for node in ast.walk(stmt):
+        for node in astutil.walk(stmt):
             rebinds_name = isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in read_names
             rebinds_attr = astutil.self_attr(node) and isinstance(node.ctx, ast.Store) and node.attr in read_attrs
             if rebinds_name or rebinds_attr:

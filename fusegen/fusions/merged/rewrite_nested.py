@@ -218,17 +218,17 @@ def check_hoisted_init(
     Over-approximations (the whole `if` statement, its `else` included, counts as in between) cost a fusion only.
     """
     for expr in hoisted:
-        for node in ast.walk(expr):
+        for node in astutil.walk(expr):
             if not isinstance(node, PURE_NODES):
                 raise Refused(RULE, f"`{ast.unparse(expr)}` would be evaluated earlier and may have effects", expr)
     names: set[str] = {"self"}
     attrs: set[str] = set()
     for expr in [*hoisted, *kept]:
         names |= astutil.loaded_names(expr)
-        attrs |= {node.attr for node in ast.walk(expr) if astutil.self_attr(node)}
-    skipped = {id(node) for assign in projections for node in ast.walk(assign)}
+        attrs |= {node.attr for node in astutil.walk(expr) if astutil.self_attr(node)}
+    skipped = {id(node) for assign in projections for node in astutil.walk(assign)}
     for stmt in region:
-        for node in ast.walk(stmt):
+        for node in astutil.walk(stmt):
             if id(node) in skipped:
                 continue
             stored = isinstance(getattr(node, "ctx", None), (ast.Store, ast.Del))
@@ -300,7 +300,7 @@ def rewrite_init_nested(funcdef: ast.FunctionDef, plan: FusionPlan, namespace: d
     merged = ast.parse(f"self.{plan.merged} = {MERGED_LINEAR}(__in__, [{widths}], bias=__bias__)").body[0]
     fills = {"__in__": ordered[0]["in_features"], "__bias__": bias_flags(ordered)}
     fills.update({f"__out{i}__": bound["out_features"] for i, bound in enumerate(ordered)})
-    for node in [n for n in ast.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:
+    for node in [n for n in astutil.walk(merged) if isinstance(n, ast.Name) and n.id in fills]:
         astutil.replace_node(merged, node, copy.deepcopy(fills[node.id]))
     test = conditions[0] if len(conditions) == 1 else ast.BoolOp(ast.And(), conditions)
     name, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
@@ -349,7 +349,7 @@ def _projection_copies(
     """The copies (in `copied`, a deep copy of `original`) of the projections' constructor assignments."""
     pairs = {}
     for old, new in zip(original, copied):
-        for old_node, new_node in zip(ast.walk(old), ast.walk(new)):
+        for old_node, new_node in zip(astutil.walk(old), astutil.walk(new)):
             pairs[id(old_node)] = new_node
     return {name: pairs[id(assign)] for name, assign in assigns.items()}
 
@@ -432,9 +432,10 @@ def one_test_per_run(funcdef: ast.FunctionDef, merged: str) -> None:
         if not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr)):
             return False
         writes = any(
-            astutil.self_attr(node, merged) and isinstance(node.ctx, (ast.Store, ast.Del)) for node in ast.walk(stmt)
+            astutil.self_attr(node, merged) and isinstance(node.ctx, (ast.Store, ast.Del))
+            for node in astutil.walk(stmt)
         )
-        return not writes and any(tests_merged(node) for node in ast.walk(stmt))
+        return not writes and any(tests_merged(node) for node in astutil.walk(stmt))
 
     class Resolve(ast.NodeTransformer):
         def __init__(self, exists: bool) -> None:
@@ -445,7 +446,7 @@ def one_test_per_run(funcdef: ast.FunctionDef, merged: str) -> None:
             return (node.body if self.exists else node.orelse) if tests_merged(node) else node
 
     blocks = [funcdef.body]
-    for node in ast.walk(funcdef):
+    for node in astutil.walk(funcdef):
         blocks.extend(astutil.child_blocks(node) if isinstance(node, ast.stmt) else [])
     for block in blocks:
         index = 0

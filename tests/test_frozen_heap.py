@@ -1,0 +1,39 @@
+"""`fusegen build` runs its builds under `fusegen.cli.frozen_heap`: the collector set for a short-lived process
+while the block runs, and exactly as it was afterwards, also when the block raises."""
+
+import gc
+import weakref
+
+import pytest
+
+from fusegen import cli
+
+
+def test_frozen_heap_freezes_and_raises_the_young_threshold_only_inside_the_block():
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    with cli.frozen_heap():
+        assert gc.get_freeze_count() > frozen
+        assert gc.get_threshold() == (cli.YOUNG_THRESHOLD, *before[1:])
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_restores_the_collector_when_the_block_raises():
+    before = gc.get_threshold()
+    with pytest.raises(KeyError), cli.frozen_heap():
+        raise KeyError("a build that fails")
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_cycle_made_inside_the_block_is_still_collected():
+    class Node:
+        pass
+
+    with cli.frozen_heap():
+        node = Node()
+        node.self = node
+        alive = weakref.ref(node)
+        del node
+        gc.collect()
+        assert alive() is None
