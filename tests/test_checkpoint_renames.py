@@ -96,7 +96,7 @@ def test_an_original_converter_that_makes_the_pieces_is_followed_by_the_merge(tm
     # Step3p7's vision tower is saved with one `attn.in_proj_weight`, which the original's converter chunks into
     # q_proj, k_proj, v_proj (and permutes for RoPE). Transformers applies one converter per key, so the merge must be
     # composed with it.
-    fused_class, original, config, checkpoint = fused_and_original("step3p7", tmp_path)
+    fused_class, original, _config, checkpoint = fused_and_original("step3p7", tmp_path)
     keys = saved_keys(checkpoint)
     assert any(key.endswith("attn.in_proj_weight") for key in keys)
     fused, info = fused_class.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)

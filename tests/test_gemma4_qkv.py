@@ -101,8 +101,9 @@ def test_fusegen_loader_round_trips_and_names_missing_tensors(tmp_path):
     with torch.no_grad():
         assert (original.eval()(IDS).logits - fused.eval()(IDS).logits).abs().max().item() <= TOLERANCE
     save_checkpoint(fused, tmp_path / "saved")
-    want, got = load_file(tmp_path / "original" / "model.safetensors"), load_file(
-        tmp_path / "saved" / "model.safetensors"
+    want, got = (
+        load_file(tmp_path / "original" / "model.safetensors"),
+        load_file(tmp_path / "saved" / "model.safetensors"),
     )
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     kinds = [a.self_attn for a in fused.model.layers]

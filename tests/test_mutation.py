@@ -276,9 +276,9 @@ def test_switching_a_rule_off_lets_each_of_its_checks_miscompile(tmp_path, monke
         assert oracle.verdict(dotted, "fused_all", validate=False) == "refused"
         monkeypatch.setattr(rules, "DISABLED", branch.also)
         kept, rules_fired = oracle.judge(dotted, "fused_on", validate=False)
-        assert (
-            kept == "refused" and branch.rule in rules_fired
-        ), f"with {sorted(branch.also)} off: {kept} {rules_fired}"
+        assert kept == "refused" and branch.rule in rules_fired, (
+            f"with {sorted(branch.also)} off: {kept} {rules_fired}"
+        )
         monkeypatch.setattr(rules, "DISABLED", frozenset({branch.rule} | branch.also))
         switched_off = oracle.verdict(dotted, "fused_off", validate=False)
     finally:

@@ -351,4 +351,3 @@ def test_zamba_shared_transformer_loads_through_its_tied_merged_weights(tmp_path
     hybrid = [layer for layer in fused.model.layers if hasattr(layer, "shared_transf")]
     first, *rest = (layer.shared_transf.self_attn.qkv_proj.weight for layer in hybrid)
     assert rest and all(weight is first for weight in rest)
-

@@ -242,7 +242,9 @@ def _forward_inputs(
     parameters = forward_parameters(model) - (set() if image_sizes else {"image_sizes"})
     generator = torch.Generator().manual_seed(seed)
     images = (
-        image_inputs(model, config, input_ids.shape[0], generator, flat_patches) if "pixel_values" in parameters else {}
+        image_inputs(model, config, input_ids.shape[0], generator, flat_patches)
+        if "pixel_values" in parameters
+        else {}
     )
     if "pixel_values_videos" in parameters and "pixel_values" not in parameters:  # a video-only tower (VideoPrism)
         images = video_inputs(model, config, input_ids.shape[0], generator)

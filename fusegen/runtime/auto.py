@@ -102,4 +102,3 @@ def register_fused_causal_lm(model_class: type) -> None:
         if getattr(key, "__module__", None) == model_class.__module__:  # a re-import or reload replaces its entry
             del extra[key]
     extra[model_class] = model_class
-

@@ -228,7 +228,7 @@ def _canonical_flat(entries: list[MergedEntry], flat: dict) -> dict:
         for key in [key for key in out if key.startswith(group_prefix)]:
             value = out.pop(key)
             for piece in entry.pieces:
-                out[f"{_GROUPS}.{piece}.{key[len(group_prefix):]}"] = value
+                out[f"{_GROUPS}.{piece}.{key[len(group_prefix) :]}"] = value
     return out
 
 

@@ -186,7 +186,7 @@ class PiecewiseColumnParallel(TensorParallelLayer):
         from torch.distributed.tensor import Shard
 
         if not isinstance(module, PiecewiseLinear):
-            raise ValueError(
+            raise TypeError(
                 f"{model_name(module)}: the {PIECEWISE_COLWISE!r} rule needs a merged linear built as pieces, not "
                 f"{type(module).__name__}"
             )

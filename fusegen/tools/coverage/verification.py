@@ -252,7 +252,9 @@ def merging_fused_classes(fused) -> dict[str, str]:
     from fusegen.compiler.propagate import PREFIX
 
     return {
-        name.removeprefix(PREFIX): name for name, source in _generated_sources(fused) if "MergedColumnLinear(" in source
+        name.removeprefix(PREFIX): name
+        for name, source in _generated_sources(fused)
+        if "MergedColumnLinear(" in source
     }
 
 
