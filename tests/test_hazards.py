@@ -1075,25 +1075,6 @@ def _verdict(case_path, dotted: str, name: str, validate: bool) -> str:
     return oracle.verdict(dotted, f"fused_{name}_{'v' if validate else 'a'}", validate)
 
 
-@pytest.mark.parametrize("name", sorted(NEW_HAZARDS))
-def test_third_batch_hazard_is_refused_or_sound(case_path, name):
-    verdict = _verdict(case_path, write_toy(case_path, name, NEW_HAZARDS[name]), name, validate=False)
-    assert verdict in ("refused", "sound"), verdict
-
-
-@pytest.mark.slow  # each case validated by the build, then run under 8 modes
-@pytest.mark.parametrize("name", sorted(NEW_HAZARDS))
-def test_third_batch_hazard_is_refused_or_sound_with_validation(case_path, name):
-    verdict = _verdict(case_path, write_toy(case_path, name, NEW_HAZARDS[name]), name, validate=True)
-    assert verdict in ("refused", "sound"), verdict
-
-
-@pytest.mark.parametrize("name", sorted(NEW_SAFE))
-def test_third_batch_safe_twin_is_fused_and_sound(case_path, name):
-    verdict = _verdict(case_path, write_toy(case_path, name, NEW_SAFE[name]), name, validate=False)
-    assert verdict == "sound", verdict
-
-
 # --- fourth batch: the same families, spellings the third batch and the fuzzer do not use --------------------------
 #
 # Judged as the third batch is (`fusegen.tools.oracle.verdict`, by running, in every mode), with the module-level code of
@@ -1398,21 +1379,35 @@ FOURTH_SAFE = {
 }
 
 
-@pytest.mark.slow  # 70 cases, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
-@pytest.mark.parametrize("name", sorted(FOURTH_HAZARDS))
-def test_fourth_batch_hazard_is_refused_or_sound(case_path, name):
-    verdict = _verdict(case_path, write_toy(case_path, name, FOURTH_HAZARDS[name]), name, validate=False)
+HAZARD_BATCHES = {"third": NEW_HAZARDS, "fourth": FOURTH_HAZARDS}
+SAFE_BATCHES = {"third": NEW_SAFE, "fourth": FOURTH_SAFE}
+
+
+def _batch_cases(batches: dict, slow: tuple[str, ...] = ()) -> list:
+    """One parameter per case of every batch, id `<batch>_batch-<name>` (`-k fourth_batch` picks a batch); the
+    batches named in `slow` are marked slow."""
+    return [
+        pytest.param(cases[name], name, id=f"{batch}_batch-{name}", marks=[pytest.mark.slow] * (batch in slow))
+        for batch, cases in batches.items()
+        for name in sorted(cases)
+    ]
+
+
+# the fourth batch's 70 cases, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
+@pytest.mark.parametrize(("toy", "name"), _batch_cases(HAZARD_BATCHES, slow=("fourth",)))
+def test_batch_hazard_is_refused_or_sound(case_path, toy, name):
+    verdict = _verdict(case_path, write_toy(case_path, name, toy), name, validate=False)
     assert verdict in ("refused", "sound"), verdict
 
 
 @pytest.mark.slow  # each case validated by the build, then run under 8 modes
-@pytest.mark.parametrize("name", sorted(FOURTH_HAZARDS))
-def test_fourth_batch_hazard_is_refused_or_sound_with_validation(case_path, name):
-    verdict = _verdict(case_path, write_toy(case_path, name, FOURTH_HAZARDS[name]), name, validate=True)
+@pytest.mark.parametrize(("toy", "name"), _batch_cases(HAZARD_BATCHES))
+def test_batch_hazard_is_refused_or_sound_with_validation(case_path, toy, name):
+    verdict = _verdict(case_path, write_toy(case_path, name, toy), name, validate=True)
     assert verdict in ("refused", "sound"), verdict
 
 
-@pytest.mark.parametrize("name", sorted(FOURTH_SAFE))
-def test_fourth_batch_safe_twin_is_fused_and_sound(case_path, name):
-    verdict = _verdict(case_path, write_toy(case_path, name, FOURTH_SAFE[name]), name, validate=False)
+@pytest.mark.parametrize(("toy", "name"), _batch_cases(SAFE_BATCHES))
+def test_batch_safe_twin_is_fused_and_sound(case_path, toy, name):
+    verdict = _verdict(case_path, write_toy(case_path, name, toy), name, validate=False)
     assert verdict == "sound", verdict
