@@ -1098,6 +1098,18 @@ def _sly(*lines: str) -> Toy:
     return Toy((_Q, *lines, _K, _V), layer=_LAYER + _pair("Sly(args[0])"), signature="x, cache", extra=_F)
 
 
+def _rebound(line: str) -> Toy:
+    """`cache` narrowed to a Transformers cache by `isinstance`, then rebound in the branch to the caller's `Sly`
+    holding the input (`other`), which `line` (in the branch) hands to its special methods or calls."""
+    return Toy(
+        (_Q, f"n = 1.0\nif isinstance(cache, DynamicCache):\n    cache = other\n    {line}", _K, _V),
+        layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: (args[0], DynamicCache(), Sly(args[0])))",
+        signature="x, cache=None, other=None",
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+        extra=_F + "from transformers import DynamicCache\n",
+    )
+
+
 def _post(*lines: str, ret: str = "return q * w + torch.cat([k, v], dim=-1)", members: str = "") -> Toy:
     """`lines` after the last projection, reading `w` for the result."""
     return Toy((_Q, _K, _V, *lines), ret=ret, members=members, extra=_F)
@@ -1184,6 +1196,11 @@ FOURTH_HAZARDS = {
     "alias4_len_dunder": _sly("n = len(cache)"),
     "alias4_truth_test_dunder": _sly("if cache:\n    pass"),
     "alias4_negated_truth_test_dunder": _sly("if not cache:\n    pass"),
+    "alias4_narrowed_then_rebound_truth": _rebound("if cache:\n        n = 2.0"),
+    "alias4_narrowed_then_rebound_not": _rebound("if not cache:\n        n = 2.0"),
+    "alias4_narrowed_then_rebound_len": _rebound("n = float(len(cache))"),
+    "alias4_narrowed_then_rebound_method": _rebound("cache._bump()"),
+    "ctx4_comprehension_filter_dunder": _flip_around_k("ok = [1 for _ in range(1) if sw]"),
     "ctx4_negated_truth_test_dunder": Toy((_TOGGLE, _Q, "flag = not sw", _K, "assert not sw", _V), extra=_F),
     "alias4_binop_dunder": _sly("z = cache + 1.0"),
     "alias4_subscript_dunder": _sly("z = cache[0]"),

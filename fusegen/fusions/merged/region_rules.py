@@ -318,9 +318,12 @@ def _rooted_in(expr: ast.expr, names: set[str]) -> bool:
 def _narrowed(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) -> bool:
     """Is `node` in the body of an `if` whose test requires `isinstance(p, C)` (a conjunct), `p` the name `expr` is
     rooted at and `C` a Transformers class that is not a tensor (`if cache is not None and isinstance(cache,
-    EncoderDecoderCache):`)? Then `p` is such an object there, trusted as `transformers_typed` parameters are."""
+    EncoderDecoderCache):`)? Then `p` is such an object there, trusted as `transformers_typed` parameters are (a user
+    subclass of `C` included). Only for a name the function never binds (no assignment, loop or `with` target,
+    walrus, `del`, import or nested definition of it anywhere): a rebinding in the branch would make the test say
+    nothing of the value there."""
     root = _root(expr)
-    if not isinstance(root, ast.Name):
+    if not isinstance(root, ast.Name) or _rebound(root.id, node, parent_of):
         return False
     child, current = node, parent_of.get(node)
     while current is not None:
@@ -336,6 +339,24 @@ def _narrowed(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) -
                     if test.args[0].id == root.id and _transformers_class(cls):
                         return True
         child, current = current, parent_of.get(current)
+    return False
+
+
+def _rebound(name: str, node: ast.AST, parent_of: dict) -> bool:
+    """Does the function holding `node` (the root of `parent_of`'s chain) bind `name` anywhere in its body?"""
+    root = node
+    while parent_of.get(root) is not None:
+        root = parent_of[root]
+    for each in walk(root):
+        if isinstance(each, ast.Name) and each.id == name and isinstance(each.ctx, (ast.Store, ast.Del)):
+            return True
+        definition = isinstance(each, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and each is not root
+        if definition and each.name == name:
+            return True
+        if isinstance(each, ast.alias) and (each.asname or each.name.split(".")[0]) == name:
+            return True
+        if isinstance(each, (ast.Global, ast.Nonlocal)) and name in each.names:
+            return True
     return False
 
 
@@ -685,6 +706,8 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             yield from operand(node, node.test, "tests the truth of")
         elif isinstance(node, (ast.comprehension, ast.For, ast.AsyncFor)):
             yield from operand(node, node.iter, "iterates over")
+            for test in getattr(node, "ifs", ()):  # a comprehension's filters test the truth of each value
+                yield from operand(node, test, "tests the truth of")
         elif (
             isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.List)) for t in node.targets)
         ) or isinstance(node, ast.Starred):
