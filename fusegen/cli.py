@@ -167,15 +167,19 @@ def frozen_heap():
     collected some 300 times (0.1 s), mostly finding objects that reference counting frees a moment later anyway.
     The collector still reclaims every cycle the build leaves, only later (a young one after at most
     `YOUNG_THRESHOLD` more net allocations); nothing the build computes or checks reads the collector, so no result
-    changes (docs/benchmarks.md, "The build's own work, cut")."""
+    changes (docs/benchmarks.md, "The build's own work, cut"). A caller that froze objects itself (`gc.unfreeze`
+    cannot tell whose they are) keeps its frozen set as it was: then nothing is frozen here, only the threshold set."""
     thresholds = gc.get_threshold()
-    gc.freeze()
+    ours = gc.get_freeze_count() == 0
+    if ours:
+        gc.freeze()
     gc.set_threshold(YOUNG_THRESHOLD, *thresholds[1:])
     try:
         yield
     finally:
         gc.set_threshold(*thresholds)
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,15 +15,27 @@ def test_frozen_heap_freezes_and_raises_the_young_threshold_only_inside_the_bloc
         assert gc.get_freeze_count() > frozen
         assert gc.get_threshold() == (cli.YOUNG_THRESHOLD, *before[1:])
     assert gc.get_threshold() == before
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == frozen
 
 
 def test_frozen_heap_restores_the_collector_when_the_block_raises():
-    before = gc.get_threshold()
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
     with pytest.raises(KeyError), cli.frozen_heap():
         raise KeyError("a build that fails")
     assert gc.get_threshold() == before
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == frozen
+
+
+def test_a_caller_s_own_frozen_objects_stay_frozen():
+    gc.freeze()  # a library user that froze its own heap before calling the CLI in process
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with cli.frozen_heap():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_a_cycle_made_inside_the_block_is_still_collected():
