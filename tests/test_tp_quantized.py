@@ -163,6 +163,7 @@ def test_fused_tp_quantized_generation_equals_the_originals(launched, name):
     heads, kv_heads, head_dim = 4, overrides["num_key_value_heads"], 16
     intermediate = overrides.get("intermediate_size", 96)
     for rank, result in enumerate(_per_rank(launched, name)):
+        assert "refused" not in result, result  # a case that must load, refused at the fused load
         tolerance = TOLERANCE * max(1.0, result["scores_max"])
         # tensor parallel, fused and original: the original's pieces, shards and quantized kernels, concatenated
         assert result["tokens"] == result["tokens_original"], result
@@ -175,7 +176,7 @@ def test_fused_tp_quantized_generation_equals_the_originals(launched, name):
         assert abs(result["scores_vs_single"] - result["original_vs_original_single"]) <= 2 * tolerance, result
         assert result["match_single"] >= 0.75, result  # Transformers' own threshold for this comparison
         assert result["qkv_type"] == "PiecewiseLinear" and result["q_weight"] != "Tensor", result  # quantized pieces
-        local_mlp = (intermediate + 1) // 2 if rank == 0 else intermediate // 2  # torch.chunk's split of the rows
+        local_mlp = (intermediate + 1) // 2 if rank == 0 else intermediate // 2  # DTensor's ceil-first split
         assert result["qkv_sizes"] == [heads * head_dim // 2, kv_heads * head_dim // 2, kv_heads * head_dim // 2]
         assert result["gate_up_sizes"] == [local_mlp, local_mlp], result
         assert result["q_rows"] == heads * head_dim // 2 and result["gate_rows"] == local_mlp, result

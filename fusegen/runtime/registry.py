@@ -26,6 +26,10 @@ fusegen never registers: `_check_registrable`), and each such name was just set 
 class of the tree without merges whose name fusegen registered for another class, removed. Two classes of one tree
 that one name cannot serve (two different classes of one name; one class at two places where its original gets
 different conversions) are refused by name, since whichever were registered, one place would load wrong.
+
+One thread at a time: the registration and Transformers' lookup are two steps on process-global state, so two
+threads loading models whose trees share a class name could each read the other's registration. Load such models
+from one thread (or hold one lock across each load).
 """
 
 from __future__ import annotations
