@@ -36,8 +36,9 @@ def assert_families_sound(figures: fuzz_families.FamilyFigures, pairs: int) -> N
 
 
 def test_family_fuzzing_one_pair_per_family(tmp_path):
-    figures = fuzz_families.run(4, seed=0, workdir=tmp_path)
-    assert_families_sound(figures, 4)
+    pairs = len(fuzz_families.FAMILY_NAMES)
+    figures = fuzz_families.run(pairs, seed=0, workdir=tmp_path)
+    assert_families_sound(figures, pairs)
     assert figures.count(role="hazard", outcome="refused") >= 2, figures.report()
 
 
@@ -45,5 +46,5 @@ def test_family_fuzzing_one_pair_per_family(tmp_path):
 def test_family_fuzzing_120_pairs(tmp_path):
     figures = fuzz_families.run(120, seed=1, workdir=tmp_path)
     assert_families_sound(figures, 120)
-    for family in ("context", "alias", "identity"):
+    for family in ("context", "alias", "identity", "implicit"):
         assert figures.count(family, "hazard", outcome="refused") > 0, figures.report()

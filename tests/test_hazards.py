@@ -1098,6 +1098,25 @@ def _sly(*lines: str) -> Toy:
     return Toy((_Q, *lines, _K, _V), layer=_LAYER + _pair("Sly(args[0])"), signature="x, cache", extra=_F)
 
 
+_HASHY = """
+class Hashy:
+    \"\"\"Holds a tensor; hashing it doubles the tensor in place.\"\"\"
+
+    def __init__(self, t):
+        self.t = t
+
+    def __hash__(self):
+        self.t.mul_(2.0)
+        return 1
+"""
+
+
+def _hashed(line: str) -> Toy:
+    """`cache` is the caller's `Hashy` holding the input; `line`, between q and k, hashes it (a set member, a key)."""
+    layer = _LAYER + _pair("Hashy(args[0])")
+    return Toy((_Q, line, _K, _V), layer=layer, signature="x, cache", extra=_F + _HASHY)
+
+
 def _rebound(line: str) -> Toy:
     """`cache` narrowed to a Transformers cache by `isinstance`, then rebound in the branch to the caller's `Sly`
     holding the input (`other`), which `line` (in the branch) hands to its special methods or calls."""
@@ -1196,6 +1215,9 @@ FOURTH_HAZARDS = {
     "alias4_len_dunder": _sly("n = len(cache)"),
     "alias4_truth_test_dunder": _sly("if cache:\n    pass"),
     "alias4_negated_truth_test_dunder": _sly("if not cache:\n    pass"),
+    "alias4_set_member_hashed": _hashed("s = {cache}"),
+    "alias4_dict_key_hashed": _hashed("s = {cache: 1.0}"),
+    "alias4_set_comprehension_hashed": _hashed("s = {cache for _ in range(2)}"),
     "alias4_narrowed_then_rebound_truth": _rebound("if cache:\n        n = 2.0"),
     "alias4_narrowed_then_rebound_not": _rebound("if not cache:\n        n = 2.0"),
     "alias4_narrowed_then_rebound_len": _rebound("n = float(len(cache))"),
@@ -1370,6 +1392,11 @@ FOURTH_SAFE = {
         layer=_LAYER + _pair("args[0]"),
         signature="x, y: torch.Tensor",
         ret="return q + torch.cat([k, v], dim=-1) + d",
+        extra=_F,
+    ),
+    "alias4_length_of_a_comprehension": Toy(
+        (_Q, "n = float(len([1 for _ in range(2) if x.shape[0]]))", _K, _V),
+        ret="return q * n + torch.cat([k, v], dim=-1)",
         extra=_F,
     ),
     "alias4_identity_test_of_a_caller_object": Toy(

@@ -17,6 +17,10 @@ calls come in a random order, with safe filler statements at random places and t
   `attrgetter`, a helper handed `self`, a property, `get_submodule`, `parameters()`, `state_dict()`, `hasattr`,
   `vars`, a global hook registered in forward), anywhere in forward. Twin: the same spellings reaching a plain
   attribute, a property or helper that names no projection, outside the region.
+- `implicit`: the caller hands the block an object whose special methods switch grad mode (`Toggle`) or write the
+  input it holds (`Sly`), and the region runs one of them though no call is spelled: a truth test, `not`, `len`, an
+  f-string, a comparison, a comprehension filter. Twin: the same spelling in the region on a number (a shape) the
+  forward made (`x.shape[0]`, `x.shape`).
 - `pieces`: a piece that escapes (stored on self and written by a hook or later, handed to user functions and
   modules, written in place through a list, returned and written by the caller) or is flattened across rows with
   `.view()` or has its layout observed. Both are expected fused (escaping pieces are copied), the twin without
@@ -41,7 +45,7 @@ from pathlib import Path
 import transformers
 
 from fusegen.errors import EXIT_DRIFT, EXIT_OK
-from fusegen.tools.oracle import Toy, forget, importable, judge, write_toy
+from fusegen.tools.oracle import FOURTH_HELPERS, Toy, forget, importable, judge, write_toy
 
 CALLS = {"q": "q = self.q_proj(x)", "k": "k = self.k_proj(x)", "v": "v = self.v_proj(x)"}
 FILLERS = (
@@ -195,7 +199,7 @@ class Pair:
     twin: Toy
 
 
-FAMILY_NAMES = ("context", "alias", "identity", "pieces")
+FAMILY_NAMES = ("context", "alias", "identity", "pieces", "implicit")
 
 
 class Draw:
@@ -225,7 +229,8 @@ def draw_pair(choose, integer, family: str | None = None) -> Pair:
     """A hazard of `family` (drawn when None) and its safe twin."""
     draw = Draw(choose, integer)
     family = family or choose(FAMILY_NAMES)
-    return {"context": _context, "alias": _alias, "identity": _identity, "pieces": _pieces}[family](draw)
+    families = {"context": _context, "alias": _alias, "identity": _identity, "pieces": _pieces, "implicit": _implicit}
+    return families[family](draw)
 
 
 def _wrapped(item: str, calls: list[str], stack: bool, after: list[str]) -> str:
@@ -296,6 +301,40 @@ def _alias(draw: Draw) -> Pair:
     slots[draw.choose((0, 3))].append(write)
     twin = Toy(draw.body(slots, order), init=ALIAS_INIT, layer=_pre_hook(hook), signature=signature)
     return Pair("alias", f"{spelling}: {write}", hazard, twin)
+
+
+# --- implicit calls ---------------------------------------------------------------------------------------------
+
+CALLER_OBJECTS = {"toggle": "Toggle()", "sly": "Sly(args[0])"}
+"""What the caller hands as `obj` (`fusegen.tools.oracle.FOURTH_HELPERS`): special methods that flip grad mode, or
+that double the input the object holds in place."""
+IMPLICIT = {
+    "truth": "if {o}:\n    w = 2.0",
+    "negation": "w = 2.0 if not {o} else 1.0",
+    "length": "w = float(len({o}))",
+    "format": 'w = float(len(f"{{{o}}}"))',
+    "equality": "w = 2.0 if {o} == 0 else 1.0",
+    "filter": "w = float(len([1 for _ in range(2) if {o}]))",
+}
+"""Operations that run `{o}`'s special methods with no call spelled (each sets `w`, which the result reads)."""
+IMPLICIT_SUPPORTED = {"toggle": ("truth", "negation", "length", "format", "equality", "filter")}
+"""The spellings each object's class implements (`Sly` has no `__eq__`: its `==` is identity)."""
+
+
+def _implicit(draw: Draw) -> Pair:
+    order = draw.order()
+    holder = draw.choose(sorted(CALLER_OBJECTS))
+    spellings = IMPLICIT_SUPPORTED.get(holder, ("truth", "negation", "length", "format", "filter"))
+    spelling = draw.choose(sorted(spellings))
+    layer = _pre_hook(f"lambda m, args: (args[0], {CALLER_OBJECTS[holder]})")
+    slots = [["w = 1.0"], [], [], []]
+    slots[draw.integer(1, 2)].append(IMPLICIT[spelling].format(o="obj"))
+    hazard = Toy(draw.body(slots, order), layer=layer, signature="x, obj", ret=W_RETURN, extra=FOURTH_HELPERS)
+    slots = [["w = 1.0"], [], [], []]  # the caller's object outside the region would leak its grad flip or write
+    number = "x.shape" if spelling == "length" else "x.shape[0]"  # into later runs: a number (a shape) here
+    slots[draw.integer(1, 2)].append(IMPLICIT[spelling].format(o=number))
+    twin = Toy(draw.body(slots, order), layer=layer, signature="x, obj", ret=W_RETURN, extra=FOURTH_HELPERS)
+    return Pair("implicit", f"{holder}: {spelling}", hazard, twin)
 
 
 def _identity(draw: Draw) -> Pair:

@@ -582,6 +582,8 @@ def _known(expr, known, module, namespace, local) -> bool:
         return _subscript_known(expr, known, module, namespace, local) and rec(expr.slice)
     if isinstance(expr, ast.Slice):
         return all(rec(e) for e in (expr.lower, expr.upper, expr.step) if e is not None)
+    if isinstance(expr, (ast.ListComp, ast.SetComp, ast.DictComp)):
+        return True  # a new list, set or dict (builtin methods); its filters and hashing are judged where they run
     if isinstance(expr, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in expr.ops):
         return True  # identity runs no operand's code and is always a bool (`cache is not None`)
     if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
@@ -712,6 +714,11 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             isinstance(node, ast.Assign) and any(isinstance(t, (ast.Tuple, ast.List)) for t in node.targets)
         ) or isinstance(node, ast.Starred):
             yield from operand(node, node.value, "unpacks")
+        elif isinstance(node, (ast.Set, ast.SetComp, ast.Dict, ast.DictComp)):  # a set member or key is hashed
+            keys = {ast.Set: "elts", ast.SetComp: "elt", ast.Dict: "keys", ast.DictComp: "key"}[type(node)]
+            found = getattr(node, keys)
+            for key in found if isinstance(found, list) else [found]:
+                yield from operand(node, key, "hashes")
         elif isinstance(node, ast.Match):
             yield from operand(node, node.subject, "matches")
         elif isinstance(node, ast.FormattedValue):
