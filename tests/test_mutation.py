@@ -164,6 +164,7 @@ BRANCHES = {
             layer="        self.block.register_forward_pre_hook(lambda m, args: (args[0], [args[0]]))",
             signature="x, states",
         ),
+        also=frozenset({"implicit-call"}),  # `+=` on an item of an unknown container, too
     ),
     "region-call: a closure cell": Branch(
         "region-call",
@@ -180,7 +181,7 @@ BRANCHES = {
     "identity: _modules": Branch(
         "projection-identity",
         Toy((Q, 'w = self._modules["k_proj"].weight.sum()', K, V), ret=W_RETURN),
-        also=frozenset({"region-call"}),  # a method of an object not known to be a tensor, too
+        also=frozenset({"region-call", "implicit-call"}),  # a method of an object not known to be a tensor; its item
     ),
     "identity: attrgetter": Branch(
         "projection-identity",
@@ -190,7 +191,7 @@ BRANCHES = {
     "identity: parameters()": Branch(
         "projection-identity",
         Toy((Q, "w = next(self.parameters()).shape[0]", K, V), ret=W_RETURN),
-        also=frozenset({"state-method-call"}),  # a method of the module itself, too
+        also=frozenset({"state-method-call", "implicit-call"}),  # a method of the module itself; `next` of a generator
     ),
     "identity: a callee handed self in the region": Branch(
         "projection-identity", Toy((Q, "w = peek(self)", K, V), ret=W_RETURN)
