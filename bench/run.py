@@ -46,6 +46,7 @@ from harness import (
     DTYPES,
     FULL,
     QUICK,
+    ROOT,
     SHAPE_DTYPES,
     SHAPE_REPEAT,
     SHAPES,
@@ -64,6 +65,7 @@ from harness import (
     device_unavailable,
     gemv_bandwidth,
     in_process,
+    installed_bytecode,
     load_kwargs,
     machine_info,
     median,
@@ -235,6 +237,7 @@ def build_section(bench: Bench) -> None:
         "-c",
         "import transformers.models.llama.modeling_llama, transformers.models.qwen2.modeling_qwen2",
     ]
+    installed_bytecode(ROOT)  # both sides import bytecode, as an installed fusegen does
     with tempfile.TemporaryDirectory(prefix="fusegen-bench-build-") as out:
         build_cmd = [sys.executable, "-m", "fusegen", "build", "llama", "qwen2", "--output-dir", out]
         runners = [lambda: timed_command(bench.launcher, build_cmd), lambda: timed_command(bench.launcher, floor_cmd)]

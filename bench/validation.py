@@ -5,7 +5,8 @@
 1. `fusegen -q build llama qwen2` (validated, as users run it) against the import floor (importing the two
    modeling modules) and against the same pipeline with validation off (`build(name, validate=False)`), each a
    fresh process, interleaved A B C A B C ..., medians; with `--against DIR`, also the same build of another
-   checkout (main's worktree) in the same rounds.
+   checkout (main's worktree) in the same rounds. fusegen's modules are compiled to bytecode first, as an installed
+   fusegen's are (`harness.installed_bytecode`), so both sides of the ratio import bytecode.
 2. In this process: the seconds `fusegen.compiler.validate.validate` takes per target (with the gradient-checkpointing step
    the build skips), median of 3, and what each check
    found (max abs logit difference, max relative gradient difference, eval/train/gradient checkpointing).
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import installed_bytecode
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = "import transformers.models.llama.modeling_llama, transformers.models.qwen2.modeling_qwen2"
@@ -57,6 +60,9 @@ def build_cost(rounds: int, against: Path | None = None) -> None:
         }
         if against is not None:
             commands[f"the same build in {against}"] = (build, against)
+        for checkout in {ROOT, against or ROOT}:  # as an installed fusegen is (see `installed_bytecode`)
+            if not installed_bytecode(checkout):
+                raise SystemExit(f"fusegen in {checkout} does not compile")
         for command, cwd in commands.values():  # warm the page cache once
             timed(command, cwd)
         samples: dict[str, list[tuple[float, float]]] = {label: [] for label in commands}
