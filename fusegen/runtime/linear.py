@@ -117,9 +117,10 @@ class MergedColumnLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if type(input) is not torch.Tensor and torch.overrides.has_torch_function_unary(input):
             return self._piece_by_piece(input)
-        if self.bias is None or all(self.bias_pieces):
+        bias = self._bias_with_zero_rows()
+        if bias is self.bias:  # every piece's bias kept, or none: the plain linear
             return super().forward(input)
-        return F.linear(input, self.weight, self._bias_with_zero_rows())
+        return F.linear(input, self.weight, bias)
 
     def _bias_with_zero_rows(self) -> torch.Tensor | None:
         if self.bias is None or all(self.bias_pieces):
