@@ -344,5 +344,16 @@ def test_recording_stops_the_forward_once_every_module_has_its_call_and_records_
     assert ran == []  # the last layer never ran: the forward ended in the first layer
     full = record_inputs(model, [*found, last])  # `last` is reached only by running every layer
     for module in found:
-        (args, kwargs), (full_args, full_kwargs) = recorded[id(module)], full[id(module)]
-        assert [a.shape for a in args] == [a.shape for a in full_args] and kwargs.keys() == full_kwargs.keys()
+        assert _described(recorded[id(module)]) == _described(full[id(module)]), type(module).__name__
+
+
+def _described(value):
+    """`value` (a recorded `(args, kwargs)`) with every tensor as its (type, shape, dtype, device) and every other
+    leaf as its type, through tuples, lists and dicts (keys kept, order included): what a trace is made from."""
+    if isinstance(value, torch.Tensor):
+        return (type(value), tuple(value.shape), value.dtype, value.device.type)
+    if isinstance(value, (tuple, list)):
+        return (type(value), [_described(item) for item in value])
+    if isinstance(value, dict):
+        return (type(value), [(key, _described(item)) for key, item in value.items()])
+    return type(value)
