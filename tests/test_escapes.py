@@ -13,8 +13,8 @@ import ast
 import pytest
 from torch import nn
 
-from fusegen.core.astutil import self_attr
-from fusegen.fusions.merged import dataflow, hoist, rules
+from fusegen.core.astutil import parent_map, self_attr
+from fusegen.fusions.merged import dataflow, hoist, region_rules, rules
 from fusegen.tools import fuzz
 from fusegen.tools.fuzz import INIT, Case, Harness
 
@@ -333,3 +333,29 @@ def test_kimi_linear_hybrid_names_the_tensors_it_cannot_map():
 def test_match_capture_of_the_input_is_refused(harness, body):
     result = harness.check(Case(body))
     assert not result.fused and "inplace-call" in result.rules, result
+
+
+@pytest.mark.parametrize(
+    "binding",
+    [
+        "cache = other",
+        "for cache in other: pass",
+        "with other as cache: pass",
+        "try:\n        pass\n    except ValueError as cache:\n        pass",
+        "match other:\n        case [cache]:\n            pass",
+        "match other:\n        case {**cache}:\n            pass",
+        "import cache",
+        "def cache(): pass",
+        "global cache",
+        "del cache",
+        "(cache := other)",
+    ],
+)
+def test_every_binding_form_ends_an_isinstance_narrowing(binding):
+    """`isinstance` narrowing (`region_rules._narrowed`) holds only for a name the function never rebinds: each
+    binding form counts, `except ... as` and `match` captures included."""
+    funcdef = ast.parse(f"def forward(self, cache, other):\n    {binding}\n    use = cache\n").body[0]
+    use = funcdef.body[-1].value
+    assert region_rules._rebound("cache", use, parent_map(funcdef))
+    plain = ast.parse("def forward(self, cache, other):\n    use = cache\n").body[0]
+    assert not region_rules._rebound("cache", plain.body[-1].value, parent_map(plain))

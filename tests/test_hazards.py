@@ -1117,11 +1117,11 @@ def _hashed(line: str) -> Toy:
     return Toy((_Q, line, _K, _V), layer=layer, signature="x, cache", extra=_F + _HASHY)
 
 
-def _rebound(line: str) -> Toy:
-    """`cache` narrowed to a Transformers cache by `isinstance`, then rebound in the branch to the caller's `Sly`
-    holding the input (`other`), which `line` (in the branch) hands to its special methods or calls."""
+def _rebound(line: str, rebinding: str = "cache = other") -> Toy:
+    """`cache` narrowed to a Transformers cache by `isinstance`, then rebound in the branch (by `rebinding`) to the
+    caller's `Sly` holding the input (`other`), which `line` (in the branch) hands to its special methods or calls."""
     return Toy(
-        (_Q, f"n = 1.0\nif isinstance(cache, DynamicCache):\n    cache = other\n    {line}", _K, _V),
+        (_Q, f"n = 1.0\nif isinstance(cache, DynamicCache):\n    {rebinding}\n    {line}", _K, _V),
         layer=_LAYER + "self.block.register_forward_pre_hook(lambda m, args: (args[0], DynamicCache(), Sly(args[0])))",
         signature="x, cache=None, other=None",
         ret="return q * n + torch.cat([k, v], dim=-1)",
@@ -1222,6 +1222,13 @@ FOURTH_HAZARDS = {
     "alias4_narrowed_then_rebound_not": _rebound("if not cache:\n        n = 2.0"),
     "alias4_narrowed_then_rebound_len": _rebound("n = float(len(cache))"),
     "alias4_narrowed_then_rebound_method": _rebound("cache._bump()"),
+    "alias4_narrowed_then_rebound_by_match": _rebound(
+        "cache._bump()", "match (other,):\n        case (cache,):\n            n = 2.0"
+    ),
+    "alias4_narrowed_then_rebound_by_except": _rebound(
+        "n = 2.0",
+        "try:\n        raise ValueError(other)\n    except ValueError as cache:\n        cache.args[0]._bump()",
+    ),
     "ctx4_comprehension_filter_dunder": _flip_around_k("ok = [1 for _ in range(1) if sw]"),
     "ctx4_negated_truth_test_dunder": Toy((_TOGGLE, _Q, "flag = not sw", _K, "assert not sw", _V), extra=_F),
     "alias4_binop_dunder": _sly("z = cache + 1.0"),

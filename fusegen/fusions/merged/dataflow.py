@@ -302,8 +302,14 @@ def loads(node: ast.AST) -> set[str]:
 
 def local_names(funcdef: ast.FunctionDef) -> set[str]:
     """Every name `funcdef` binds itself: such a name never denotes the module-level object of that name."""
+    return names_bound_in(funcdef) | {a.arg for a in walk(funcdef) if isinstance(a, ast.arg)}
+
+
+def names_bound_in(funcdef: ast.FunctionDef) -> set[str]:
+    """Every name a statement or expression of `funcdef` binds, nested scopes included: assignment and deletion
+    targets (`for`, `with`, walrus and comprehension targets are stores too), `except ... as`, `match` captures,
+    imports, and nested function and class definitions. Parameters are not counted (`local_names` adds them)."""
     names = {n.id for n in walk(funcdef) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-    names |= {a.arg for a in walk(funcdef) if isinstance(a, ast.arg)}
     for node in walk(funcdef):
         if (
             isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))

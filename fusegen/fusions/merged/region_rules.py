@@ -343,21 +343,14 @@ def _narrowed(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) -
 
 
 def _rebound(name: str, node: ast.AST, parent_of: dict) -> bool:
-    """Does the function holding `node` (the root of `parent_of`'s chain) bind `name` anywhere in its body?"""
+    """Does the function holding `node` (the root of `parent_of`'s chain) bind `name` anywhere in its body, or
+    declare it `global` or `nonlocal` (`dataflow.names_bound_in`: every binding form, `except ... as` and `match`
+    captures included)?"""
     root = node
     while parent_of.get(root) is not None:
         root = parent_of[root]
-    for each in walk(root):
-        if isinstance(each, ast.Name) and each.id == name and isinstance(each.ctx, (ast.Store, ast.Del)):
-            return True
-        definition = isinstance(each, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and each is not root
-        if definition and each.name == name:
-            return True
-        if isinstance(each, ast.alias) and (each.asname or each.name.split(".")[0]) == name:
-            return True
-        if isinstance(each, (ast.Global, ast.Nonlocal)) and name in each.names:
-            return True
-    return False
+    declared = {n for each in walk(root) if isinstance(each, (ast.Global, ast.Nonlocal)) for n in each.names}
+    return name in declared or name in dataflow.names_bound_in(root)
 
 
 def _transformers_class(cls: object) -> bool:
