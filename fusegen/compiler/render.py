@@ -2,7 +2,8 @@
 
 The classes arrive as text spliced from the original source (`fusegen.compiler.splice`), their generated
 statements already black-formatted. The template is rendered with a placeholder class in each class's slot
-and black-formatted; then each placeholder is replaced by its class's text, untouched.
+and black-formatted; then each placeholder is replaced by its class's text, untouched. When black leaves that file
+as it is, it is the output (one black pass over the whole file, the common case).
 
 Transformers' own text is not always black's: black pulls the string of a multi-line
 `@auto_docstring(custom_intro=...)` call up onto the decorator's line, for one. Such a class (one black would change
@@ -44,13 +45,22 @@ def render(classes: list[str], **context) -> str:
         autoescape=False,
     )
     slots = [f"class _FusegenSlot{index}:\n    pass\n" for index in range(len(classes))]
-    text = format_source(environment.get_template(TEMPLATE).render(classes=slots, **context))
-    for slot, source in zip(slots, classes):
-        if text.count(slot) != 1:
+    frame = format_source(environment.get_template(TEMPLATE).render(classes=slots, **context))
+    sources = [source if source.endswith("\n") else source + "\n" for source in classes]
+    text = _filled(frame, slots, sources)
+    if format_source(text) == text:  # black changes no class: each is written as it is
+        return text
+    kept = [source if format_source(source) == source else f"{FMT_OFF}{source}{FMT_ON}" for source in sources]
+    return format_source(_filled(frame, slots, kept))
+
+
+def _filled(frame: str, slots: list[str], sources: list[str]) -> str:
+    """`frame` with each slot replaced by its class's text."""
+    for slot, source in zip(slots, sources):
+        if frame.count(slot) != 1:
             raise RuntimeError(f"template slot {slot.splitlines()[0]!r} not found once in the rendered file")
-        source = source if source.endswith("\n") else source + "\n"
-        text = text.replace(slot, source if format_source(source) == source else f"{FMT_OFF}{source}{FMT_ON}")
-    return format_source(text)
+        frame = frame.replace(slot, source)
+    return frame
 
 
 FMT_OFF, FMT_ON = "# fmt: off\n", "# fmt: on\n"
