@@ -203,6 +203,19 @@ def test_a_rewrite_reading_the_wrong_eps_is_caught_by_execution():
         rmsnorm.compare_forwards(instance, TwoNumbers.forward, bad, wrong.eps, "TwoNumbers")
 
 
+def test_a_rewrite_with_the_same_output_and_other_gradients_is_caught():
+    """The outputs agree bit for bit, the gradients are halved: the check's backward pass (one pass through both
+    graphs) must still tell them apart."""
+
+    def half_gradient(self, hidden_states):
+        out = LlamaRMSNorm.forward(self, hidden_states)
+        return out.detach() + (out - out.detach()) * 0.5
+
+    with pytest.raises(Refused, match="gradient differs") as refusal:
+        rmsnorm.compare_forwards(_meta(LlamaRMSNorm, 16), LlamaRMSNorm.forward, half_gradient, "variance_epsilon", "L")
+    assert refusal.value.rule == "norm-inexact"
+
+
 def test_the_one_call_kernel_with_weight_is_not_llama_in_bfloat16():
     """`F.rms_norm(x, shape, weight, eps)` applies the weight before rounding to bfloat16, Llama after: the checker
     refuses it (which is why the emitted Llama form multiplies by the weight outside the kernel)."""
