@@ -127,14 +127,20 @@ def name_auto_built(cls: type, classdef: ast.ClassDef, model: nn.Module, emitted
     if init is None:
         return False
     config_is_parameter = _config_is_the_parameter(init)
-    instances = [module for module in model.modules() if type(module) is cls]
     module = sys.modules[cls.__module__]
-    for stmt in astutil.walk(init) if instances else []:
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and astutil.self_attr(stmt.targets[0])):
-            continue
+    auto_built = [
+        stmt
+        for stmt in astutil.walk(init)
+        if isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and astutil.self_attr(stmt.targets[0])
+        and _is_auto_from_config(stmt.value, module)
+    ]
+    instances = [sub for sub in model.modules() if type(sub) is cls] if auto_built else []
+    for stmt in auto_built if instances else []:
         call = stmt.value
         built = {type(getattr(instance, stmt.targets[0].attr, None)) for instance in instances}
-        if len(built) != 1 or not _is_auto_from_config(call, module):
+        if len(built) != 1:
             continue
         (built_class,) = built
         if built_class.__name__ not in emitted:
