@@ -53,7 +53,7 @@ def construction_sites(model: nn.Module, outcomes: list[ClassOutcome]) -> dict[s
     tables = _class_tables(classes, set(holders))
     for cls in classes:
         try:
-            classdef = astutil.parse_class(cls)
+            classdef = astutil.class_statement(cls)
         except Refused:
             continue
         for holder, attribute in holder_references(classdef, set(holders), tables):

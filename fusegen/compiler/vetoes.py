@@ -125,7 +125,7 @@ def outside_references(model: nn.Module, outcomes: list[ClassOutcome]) -> Vetoes
     fused_classes = {type(module).__name__: type(module) for module in model.modules()}
     for cls in sorted(classes, key=lambda c: (c.__module__, c.__name__)):
         try:
-            classdef = astutil.parse_class(cls)
+            classdef = astutil.class_statement(cls)
         except Refused:
             continue
         namespace = vars(sys.modules[cls.__module__])

@@ -40,7 +40,14 @@ def with_reason(stmt: ast.stmt, reason: str) -> ast.stmt:
 
 
 def parse_class(cls: type) -> ast.ClassDef:
-    """A fresh copy of the class statement of `cls`, with line numbers of its source file.
+    """A fresh copy of the class statement of `cls` (`class_statement`), with line numbers of its source file, for a
+    caller that edits it."""
+    return copy_tree(class_statement(cls))
+
+
+def class_statement(cls: type) -> ast.ClassDef:
+    """The class statement of `cls` as its parsed source file holds it: shared by every caller in the process, so
+    read it only (`parse_class` gives a copy to edit).
 
     Only classes defined once at module level are accepted: a nested class
     closes over names of its enclosing function, which a copy at module level
@@ -59,7 +66,7 @@ def parse_class(cls: type) -> ast.ClassDef:
     ]
     if len(found) != 1:
         raise Refused("no-source", f"{cls.__name__} is defined {len(found)} times at the top of {filename}")
-    return copy_tree(found[0])
+    return found[0]
 
 
 def walk(node: ast.AST):
@@ -120,7 +127,7 @@ def _copy(value, memo: dict):
 
 @functools.lru_cache(maxsize=64)
 def module_tree(filename: str) -> ast.Module:
-    """Each source file is parsed once per process; `parse_class` hands out copies."""
+    """Each source file is parsed once per process: read it only (`parse_class` hands out copies to edit)."""
     return ast.parse("".join(linecache.getlines(filename)), filename)
 
 

@@ -77,7 +77,7 @@ def absent_linears_present(module: nn.Module, namespace: dict):
     other configs (`fusegen/compiler/validate.py`).
     """
     stand_ins = {}
-    for stmt in astutil.walk(astutil.method(astutil.parse_class(type(module)), "__init__") or ast.Module(body=[])):
+    for stmt in astutil.walk(astutil.method(astutil.class_statement(type(module)), "__init__") or ast.Module(body=[])):
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and astutil.self_attr(stmt.targets[0])):
             continue
         value, name = stmt.value, stmt.targets[0].attr
