@@ -92,3 +92,18 @@ def test_tp_notes_follow_the_plan():
     notes = tp_notes(conditional, stacked, {"q_proj", "k_proj"})
     assert not any(HEADS_WORDS in note for note in notes)
     assert "q_proj: own rules kept, for the layers or configs that build them unmerged" in notes  # k_proj has no rule
+
+
+def test_a_class_black_would_reflow_is_fenced_and_the_others_are_written_as_they_are():
+    from fusegen.compiler.render import FMT_OFF, FMT_ON, format_source, with_classes
+
+    slots = ["class _FusegenSlot0:\n    pass\n", "class _FusegenSlot1:\n    pass\n"]
+    frame = format_source(f"import torch\n\n\n{slots[0]}\n\n{slots[1]}\n\n\nDONE = 1\n")
+    kept = "class Kept:\n    x = [1, 2]\n"
+    reflowed = "class Reflowed:\n    x = [1,\n         2]\n"
+    assert format_source(kept) == kept and format_source(reflowed) != reflowed
+    text = with_classes(frame, slots, [kept, reflowed])
+    assert f"\n{kept}" in text and f"{FMT_OFF}{reflowed}{FMT_ON}" in text and FMT_OFF + kept not in text
+    assert format_source(text) == text
+    both_kept = with_classes(frame, slots, [kept, kept.replace("Kept", "Also")])
+    assert FMT_OFF not in both_kept and format_source(both_kept) == both_kept

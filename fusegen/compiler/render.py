@@ -46,7 +46,12 @@ def render(classes: list[str], **context) -> str:
     )
     slots = [f"class _FusegenSlot{index}:\n    pass\n" for index in range(len(classes))]
     frame = format_source(environment.get_template(TEMPLATE).render(classes=slots, **context))
-    sources = [source if source.endswith("\n") else source + "\n" for source in classes]
+    return with_classes(frame, slots, [source if source.endswith("\n") else source + "\n" for source in classes])
+
+
+def with_classes(frame: str, slots: list[str], sources: list[str]) -> str:
+    """`frame` (black's output) with each slot replaced by its class's text, as written; a class black would change
+    on its own between `# fmt: off` and `# fmt: on`."""
     text = _filled(frame, slots, sources)
     if format_source(text) == text:  # black changes no class: each is written as it is
         return text
