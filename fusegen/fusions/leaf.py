@@ -64,12 +64,9 @@ def compare_exact(module: nn.Module, state: dict, original, rewritten, x, where:
     if expected.dtype != actual.dtype or not torch.equal(expected, actual):
         raise Refused(rule, f"{name}: output differs on {where}{describe_diff(expected, actual)}")
     cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(len(where))).to(expected.dtype)
-    # One backward pass through both graphs: they share no tensor that requires grad (each run has its own input
-    # clone and its own fresh parameters), so each leaf's gradient comes from its own graph alone, as it would from
-    # a pass of its own.
-    leaves = [[inputs, *params] for inputs, params, _ in runs]
-    both = torch.autograd.grad([expected, actual], leaves[0] + leaves[1], [cotangent, cotangent], allow_unused=True)
-    gradients = (both[: len(leaves[0])], both[len(leaves[0]) :])
+    gradients = []
+    for inputs, params, out in runs:
+        gradients.append(torch.autograd.grad(out, [inputs, *params], cotangent, allow_unused=True))
     for index, (a, b) in enumerate(zip(*gradients)):
         if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
             what = "input" if index == 0 else "parameter"
