@@ -152,43 +152,60 @@ def quiet_openmp() -> None:
 
 
 YOUNG_THRESHOLD = 20_000
-"""The collector's first threshold during a build (`frozen_heap`); Python's default is 700."""
+"""The collector's first threshold in a `fusegen` command (`sparse_young_collections`); Python's default is 700."""
 
 
 @contextlib.contextmanager
-def frozen_heap():
-    """Run the block with the objects alive now left out of the garbage collector's passes (`gc.freeze`), and with
-    the young generation collected every `YOUNG_THRESHOLD` net allocations instead of 700; both undone after it.
+def sparse_young_collections():
+    """Run the block with the young generation collected every `YOUNG_THRESHOLD` net allocations instead of 700;
+    undone after it. `main` runs every command under it, imports included.
 
-    What is alive when a build starts is mostly what torch and Transformers imported (about 440,000 objects for `build
-    llama qwen2`): modules, classes and functions that live until the process ends. A full collection walks all of
-    them to find none dead; one ran during that build and cost 0.2 s of its 2 s. The build then allocates millions of
-    short-lived objects (syntax trees, tensors, graphs); with the default threshold the young generation was
-    collected some 300 times (0.1 s), mostly finding objects that reference counting frees a moment later anyway.
-    The collector still reclaims every cycle the build leaves, only later (a young one after at most
-    `YOUNG_THRESHOLD` more net allocations); nothing the build computes or checks reads the collector, so no result
-    changes (docs/benchmarks.md, "The build's own work, cut"). A caller that froze objects itself (`gc.unfreeze`
-    cannot tell whose they are) keeps its frozen set as it was: then nothing is frozen here, only the threshold set."""
+    A command imports torch and Transformers (about 440,000 objects that live until the process ends) and then, for
+    a build, allocates millions of short-lived ones (syntax trees, tensors, graphs). With the default threshold the
+    collector ran some 900 times while `build llama qwen2` imported its modules, and its full collections walked
+    the growing heap again and again: 0.75 s of the 3.9 s CPU that importing the two modeling modules takes
+    (`python -c "import gc; gc.callbacks.append(...)"`, docs/benchmarks.md). Reference counting frees nearly all of
+    those objects anyway; the collector still reclaims every cycle, only later (a young one after at most
+    `YOUNG_THRESHOLD` more net allocations). Nothing a command computes or checks reads the collector, so no result
+    changes; what it costs is the memory of cycles that wait longer to be reclaimed."""
     thresholds = gc.get_threshold()
-    ours = gc.get_freeze_count() == 0
-    if ours:
-        gc.freeze()
     gc.set_threshold(YOUNG_THRESHOLD, *thresholds[1:])
     try:
         yield
     finally:
         gc.set_threshold(*thresholds)
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Run the block with the objects alive now left out of the garbage collector's passes (`gc.freeze`), and with
+    sparse young collections (`sparse_young_collections`); both undone after it.
+
+    What is alive when a build starts is mostly what torch and Transformers imported: modules, classes and functions
+    that live until the process ends. A full collection walks all of them to find none dead; one ran during that
+    build and cost 0.2 s of its 2 s. The collector still reclaims every cycle the build leaves; nothing the build
+    computes or checks reads the collector, so no result changes (docs/benchmarks.md, "The build's own work, cut").
+    A caller that froze objects itself (`gc.unfreeze` cannot tell whose they are) keeps its frozen set as it was:
+    then nothing is frozen here, only the threshold set."""
+    ours = gc.get_freeze_count() == 0
+    if ours:
+        gc.freeze()
+    try:
+        with sparse_young_collections():
+            yield
+    finally:
         if ours:
             gc.unfreeze()
 
 
 def main(argv: list[str] | None = None) -> int:
     quiet_openmp()
-    args = make_parser().parse_args(argv)
-    console = Console(getattr(args, "verbosity", 0))
-    if console.verbosity < 0:
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    return command(args.handler)(args, console)
+    with sparse_young_collections():  # from here on: the parser imports torch and Transformers
+        args = make_parser().parse_args(argv)
+        console = Console(getattr(args, "verbosity", 0))
+        if console.verbosity < 0:
+            os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        return command(args.handler)(args, console)
 
 
 def _build(args, console: Console) -> int:

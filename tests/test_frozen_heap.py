@@ -1,5 +1,6 @@
-"""`fusegen build` runs its builds under `fusegen.cli.frozen_heap`: the collector set for a short-lived process
-while the block runs, and exactly as it was afterwards, also when the block raises."""
+"""`fusegen` runs its commands under `fusegen.cli.sparse_young_collections` and its builds under `frozen_heap`: the
+collector set for a short-lived process while the block runs, and exactly as it was afterwards, also when the block
+raises."""
 
 import gc
 import weakref
@@ -50,3 +51,20 @@ def test_a_cycle_made_inside_the_block_is_still_collected():
         del node
         gc.collect()
         assert alive() is None
+
+
+def test_every_command_runs_with_sparse_young_collections_from_the_parser_on(monkeypatch):
+    """`main` sets the threshold before the parser imports torch and Transformers, and restores it after."""
+    seen = []
+    parser = cli.make_parser
+
+    def recording_parser():
+        seen.append(gc.get_threshold()[0])
+        return parser()
+
+    monkeypatch.setattr(cli, "make_parser", recording_parser)
+    before = gc.get_threshold()
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert seen == [cli.YOUNG_THRESHOLD]
+    assert gc.get_threshold() == before
