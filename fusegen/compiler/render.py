@@ -14,6 +14,7 @@ generated statements were formatted where they were made (`splice`), the rest is
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import black
@@ -34,8 +35,9 @@ def template_dir() -> Path:
     raise FileNotFoundError(f"{TEMPLATE} is in neither {package.parent / 'templates'} nor {package / 'templates'}")
 
 
-def render(classes: list[str], **context) -> str:
-    """The generated module's text: template filled in, black-formatted, with each class's text in its slot."""
+@functools.cache
+def _template() -> jinja2.Template:
+    """The template, compiled once per process (a build of several targets renders it once each)."""
     environment = jinja2.Environment(
         loader=jinja2.FileSystemLoader(template_dir()),
         trim_blocks=True,
@@ -44,8 +46,13 @@ def render(classes: list[str], **context) -> str:
         undefined=jinja2.StrictUndefined,
         autoescape=False,
     )
+    return environment.get_template(TEMPLATE)
+
+
+def render(classes: list[str], **context) -> str:
+    """The generated module's text: template filled in, black-formatted, with each class's text in its slot."""
     slots = [f"class _FusegenSlot{index}:\n    pass\n" for index in range(len(classes))]
-    frame = format_source(environment.get_template(TEMPLATE).render(classes=slots, **context))
+    frame = format_source(_template().render(classes=slots, **context))
     return with_classes(frame, slots, [source if source.endswith("\n") else source + "\n" for source in classes])
 
 
