@@ -18,7 +18,7 @@ written in place. The original's projection outputs were independent, contiguous
   with a shape not proven to keep every leading dim (`view(-1)` on a piece raises where the original's output
   viewed fine), or its layout is read (`stride()`, `is_contiguous()`, `data_ptr()`, storage, `as_strided`, `_base`),
   also through the class (`torch.Tensor.view(k, -1)`), an attribute view (`k.mT.stride()`) or an identity test
-  (`k.contiguous() is k`: `_layout_shows`). The proof covers what
+  (`k.contiguous() is k`, `id(k.contiguous()) == id(k)`: `_layout_shows`). The proof covers what
   Transformers spells (`q.view(hidden_shape)`, `hidden_shape = (*input_shape, -1, d)`, `input_shape =
   x.shape[:-1]`; `bsz, q_len, _ = x.size()`, `q.view(bsz, q_len, h, d)`), so those models pay nothing.
 """
@@ -216,7 +216,8 @@ def _layout_shows(node: ast.AST, tracked: set[str]) -> bool:
     """Does `node` show the layout or identity of a piece (possible aliases `tracked`) in a spelling the method check
     of `needs_contiguous` does not read: a layout method called on the class (`torch.Tensor.view(k, -1)`,
     `torch.Tensor.untyped_storage(k)`), on an attribute view (`k.mT.stride()`), a layout attribute (`k._base`), or an
-    identity test between values made from a piece (`k.contiguous() is k`: true for a projection's output only)?"""
+    identity test between values made from a piece (`k.contiguous() is k`: true for a projection's output only), or
+    an identity function handed one (`id(k.contiguous()) == id(k)`)?"""
 
     def made_from_piece(expr):
         while isinstance(expr, ast.Attribute) and expr.attr in _SAME_STORAGE_ATTRS:
@@ -233,10 +234,21 @@ def _layout_shows(node: ast.AST, tracked: set[str]) -> bool:
                 return True
     if isinstance(node, ast.Attribute) and node.attr in LAYOUT_METHODS and made_from_piece(node.value):
         return True
+    if isinstance(node, ast.Call) and _identity_function(node.func):
+        # `id(k.contiguous()) == id(k)`, `operator.is_(k.contiguous(), k)`: identity compared by value
+        return any(made_from_piece(argument) for argument in node.args)
     if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
         sides = (node.left, *node.comparators)
         return sum(made_from_piece(side) for side in sides) >= 2
     return False
+
+
+def _identity_function(func: ast.expr) -> bool:
+    """Is `func` spelled as a function that exposes object identity (`id`, `operator.is_`, `operator.is_not`)? Judged
+    by name: a shadowing name only costs a copy."""
+    if isinstance(func, ast.Name):
+        return func.id in ("id", "is_", "is_not")
+    return isinstance(func, ast.Attribute) and func.attr in ("is_", "is_not")
 
 
 def _kept_or_piece(expr: ast.expr, direct: set[str]) -> bool:

@@ -41,6 +41,7 @@ import ast
 import builtins
 import contextlib
 import dis
+import functools
 import inspect
 import itertools
 import math
@@ -605,16 +606,67 @@ def _known(expr, known, module, namespace, local) -> bool:
                 # a method `region-call` judges (`cache.update(k, v, i)`), or a local callable bound from known code
                 # (`attention_interface`, never a lambda): its result is trusted as everywhere else in these rules
                 return isinstance(func, ast.Attribute) or rec(func)
-            if isinstance(resolved, type):
-                return _plain_value(resolved) and (resolved.__module__ or "").startswith(("builtins", "torch"))
+            operands = [*expr.args, *(k.value for k in expr.keywords)]
             if isinstance(resolved, types.FunctionType):
                 generator = resolved.__code__.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE)
                 # an effect-free function makes nothing but through torch, numbers and tuples, from its arguments
-                operands = [*expr.args, *(k.value for k in expr.keywords)]
                 return not generator and effect_free(resolved) and all(rec(operand) for operand in operands)
-            return callable(resolved)  # a builtin or torch function: its result is a value of torch or Python
+            if isinstance(resolved, type):
+                if not (_plain_value(resolved) and (resolved.__module__ or "").startswith(("builtins", "torch"))):
+                    return False
+            elif not callable(resolved):
+                return False
+            return _builtin_result_known(resolved, expr, operands, rec, namespace, local)
         return False
     return False
+
+
+_FIXED_RESULT = (len, bool, id, hash, isinstance, issubclass, callable, hasattr, int, float)
+"""Builtins whose result is an exact `int`, `float` or `bool` whatever they are handed (Python converts what a
+special method returns: `int(obj)` is an exact int even if `obj.__int__` returns a subclass)."""
+
+
+def _called_operand(resolved: object, call: ast.Call) -> ast.expr | None:
+    """The operand a builtin calls, now or when its result is advanced: the function of `map`, `filter`,
+    `functools.reduce` and the two-argument `iter(f, sentinel)`, the `key` of `sorted`, `min` and `max`."""
+    if resolved in (map, filter, functools.reduce) or (resolved is iter and len(call.args) == 2):
+        return call.args[0] if call.args else None
+    if resolved in (sorted, min, max):
+        return next((k.value for k in call.keywords if k.arg == "key"), None)
+    return None
+
+
+def _builtin_callable(expr: ast.expr, namespace: dict, local: set[str]) -> bool:
+    """Is `expr` a function of Python's builtins, `math`, `operator` or torch (its code is not the case's), never a
+    lambda, a local name, a Python function, a `functools.partial` or a class the case defines?"""
+    if not isinstance(expr, (ast.Name, ast.Attribute)):
+        return False
+    resolved = lookup.resolve_dotted(expr, namespace, local)
+    if resolved is lookup.UNRESOLVED:
+        return False
+    if isinstance(resolved, type):
+        return (resolved.__module__ or "") == "builtins" and _plain_value(resolved)
+    if isinstance(resolved, types.BuiltinFunctionType):
+        module = getattr(resolved, "__module__", None) or ""
+        return module in ("builtins", "math", "_operator", "operator") or module.startswith("torch")
+    return lookup.is_functional(resolved) or lookup.is_pure_torch(resolved)
+
+
+def _builtin_result_known(resolved, call: ast.Call, operands: list, rec, namespace: dict, local: set[str]) -> bool:
+    """Are the special methods of what a builtin or torch call returns known not to run user code?
+
+    Sound because such a call runs only its own (C or torch) code, the special methods of its operands and, for the
+    builtins of `_called_operand`, the operand they call. So if the called operand is a builtin function
+    (`_builtin_callable`) and every operand is known, its result is a new builtin object over known values (a list, a
+    lazy `map`/`zip`/`iter` whose `__next__` runs only known code), or one of the operands or a part or special-method
+    result of one, known as `_known` treats items and attributes of known values; a builtin of `_FIXED_RESULT`
+    returns an exact number or bool whatever it is handed. Before, any builtin's result was known: `map(flip, r)`,
+    `iter(flip, 1)`, `zip(generator, r)` or `min([obj])` made before the region, then `next(...)`/`if t:` in it, ran
+    a grad switch or the caller object's special methods where no rule looked."""
+    called = _called_operand(resolved, call)
+    if called is not None and not _builtin_callable(called, namespace, local):
+        return False
+    return resolved in _FIXED_RESULT or all(rec(operand) for operand in operands)
 
 
 _CLASS_BOOKKEEPING = frozenset(
@@ -743,6 +795,13 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
                 for argument in (*node.args, *(k.value for k in node.keywords)):
                     if not isinstance(argument, ast.GeneratorExp):  # its parts are nodes of the region, judged here
                         yield from operand(node, argument, "hands a builtin")
+                called = _called_operand(resolved, node)
+                if called is not None and not _builtin_callable(called, namespace, local):
+                    yield Refused(
+                        "implicit-call",
+                        f"`{ast.unparse(node)}` calls `{ast.unparse(called)}`, which may be user code",
+                        node,
+                    )
 
 
 def local_lambdas(funcdef: ast.FunctionDef, namespace: dict, local: set[str]) -> dict[str, types.FunctionType]:
