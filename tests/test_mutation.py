@@ -263,6 +263,18 @@ BRANCHES.update(
                 extra=_F,
             ),
         ),
+        # the family fuzzer's holes (issue 24, item 8)
+        "implicit-call: a key function a builtin calls": Branch(
+            "implicit-call",
+            Toy(
+                (Q, "top = max((3,), key=flip_on_decoration)", K, "top = max((3,), key=flip_on_decoration)", V),
+                extra=_F,
+            ),
+        ),
+        "implicit-call: a lazy builtin made from a flip": Branch(
+            "implicit-call",
+            Toy(("ticks = map(flip_on_decoration, (1, 2))", Q, "n = next(ticks)", K, "n = next(ticks)", V), extra=_F),
+        ),
     }
 )
 
@@ -298,6 +310,9 @@ PIECES = {
     ),
     "a piece whose layout is read": Toy(
         (Q, K, V, "w = 2.0 if k.is_contiguous() else 1.0"), ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
+    "a piece whose identity is compared through id": Toy(
+        (Q, K, V, "w = 2.0 if id(v) == id(v.contiguous()) else 1.0"), ret="return q * w + torch.cat([k, v], dim=-1)"
     ),
     "a piece in a dict stored on self and written by the caller's hook": Toy(
         (Q, K, V, 'self.seen = {"k": k}'),
