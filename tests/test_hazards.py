@@ -1360,6 +1360,8 @@ FOURTH_HAZARDS = {
         extra=_F,
     ),
     "piece4_identity_compared_by_id": _post("w = 2.0 if id(v) == id(v.contiguous()) else 1.0"),
+    "alias4_operator_function_dunder": _sly("z = operator.add(cache, 1.0)"),
+    "ctx4_operator_function_dunder": _flip_around_k("same = operator.eq(sw, 1)"),
 }
 
 FOURTH_SAFE = {
@@ -1477,7 +1479,7 @@ def _batch_cases(batches: dict, slow: tuple[str, ...] = ()) -> list:
     ]
 
 
-# the fourth batch's 89 hazards, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
+# the fourth batch's 91 hazards, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
 @pytest.mark.parametrize(("toy", "name"), _batch_cases(HAZARD_BATCHES, slow=("fourth",)))
 def test_batch_hazard_is_refused_or_sound(case_path, toy, name):
     verdict = _verdict(case_path, write_toy(case_path, name, toy), name, validate=False)

@@ -271,6 +271,9 @@ BRANCHES.update(
                 extra=_F,
             ),
         ),
+        "implicit-call: an operator function on the caller's object": Branch(
+            "implicit-call", Toy((Q, "z = operator.add(cache, 1.0)", K, V), layer=_SLY, signature="x, cache", extra=_F)
+        ),
         "implicit-call: a lazy builtin made from a flip": Branch(
             "implicit-call",
             Toy(("ticks = map(flip_on_decoration, (1, 2))", Q, "n = next(ticks)", K, "n = next(ticks)", V), extra=_F),

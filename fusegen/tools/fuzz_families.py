@@ -1,30 +1,46 @@
 """Differential fuzzing of issue 24's families: random hazardous forwards, each with a safe twin, judged by running.
 
-    python -m fusegen.tools.fuzz_families --pairs 40 [--seed 0]     (or: python bench/fuzz_families.py ...)
+    python -m fusegen.tools.fuzz_families --pairs 315 [--seed 0]    (or: python bench/fuzz_families.py ...)
 
 Each draw (`draw_pair`) is one family's hazard and its safe twin, toy blocks (`fusegen.tools.oracle.Toy`) whose q/k/v
-calls come in a random order, with safe filler statements at random places and the hazard in a random spelling:
+calls come in a random order, with safe filler statements at random places and the hazard in one spelling of the
+family's catalog (`run` takes them in turn, so `--pairs 5 * CATALOG_SIZE` draws every one; the rest is random):
 
 - `context`: a `with` around some projections but not all (grad modes, autocast in several spellings, an `ExitStack`
-  it is entered through, saved-tensor hooks, a torch function or dispatch mode), or a state switch by call
-  (`set_grad_enabled(False)`, `mode.__enter__()`, ...) inside the region. Twin: every projection in the same
-  `with`; a restoring context closed around a non-projection statement; a profiler label; the switch outside.
+  it is entered through, saved-tensor hooks, a torch function or dispatch mode), or a state switch inside the
+  region, by call (`set_grad_enabled(False)`, `mode.__enter__()`, ...) or by code that runs with no state call
+  spelled (`HIDDEN_SWITCHES`: a decorator or decorator factory applied, a class body, metaclass or
+  `__init_subclass__`, a generator advanced by `next`, `send`, `islice` or through `yield from`, a generator
+  expression, a lazy `map`/`filter`/`zip`/`iter(f, sentinel)` advanced by `next`, a key function of `sorted`/`max`).
+  Twin: every projection in the same `with`; a restoring context closed around a non-projection statement; a
+  profiler label; the switch (both steps) outside.
 - `alias`: the caller (a pre-hook on the block) hands the block's input under a second name: another parameter,
-  `*args`, `**kwargs`, a list or dict, the block's own buffer, an attribute it primes, a global registry; the region
-  writes that name in place (method, `+=`, item store, `out=`, `operator`, `inplace=`, `torch.nn.init`). Twin: the
-  same write before the first or after the last projection, or a read or a fresh copy of a tensor-typed parameter.
+  `*args`, `**kwargs`, a list or dict, a nested list, a dataclass field, a namedtuple field, the block's own buffer,
+  an attribute it primes, a global registry or record; the region writes that name in place (method, `+=`, item
+  store, `out=`, `operator`, `inplace=` by keyword or by position, `torch.nn.init`, `.data`, a loop variable); or
+  code the region runs writes it with no write spelled (`ALIAS_STATEMENTS`: a generator handed it, advanced by
+  `next`, `yield from` or a loop; a lazy `map` or `iter(partial, sentinel)`; a key function; a closure cell; a
+  record's method). Twin: the same write before the first or after the last projection, or a read or a fresh copy
+  of a tensor-typed parameter.
 - `identity`: the projections reached other than as `self.<proj>` (`_modules`, `getattr` with a computed name,
-  `attrgetter`, a helper handed `self`, a property, `get_submodule`, `parameters()`, `state_dict()`, `hasattr`,
-  `vars`, a global hook registered in forward), anywhere in forward. Twin: the same spellings reaching a plain
-  attribute, a property or helper that names no projection, outside the region.
-- `implicit`: the caller hands the block an object whose special methods switch grad mode (`Toggle`) or write the
-  input it holds (`Sly`), and the region runs one of them though no call is spelled: a truth test, `not`, `len`, an
-  f-string, a comparison, a comprehension filter. Twin: the same spelling in the region on a number (a shape) the
-  forward made (`x.shape[0]`, `x.shape`).
-- `pieces`: a piece that escapes (stored on self and written by a hook or later, handed to user functions and
-  modules, written in place through a list, returned and written by the caller) or is flattened across rows with
-  `.view()` or has its layout observed. Both are expected fused (escaping pieces are copied), the twin without
-  copies: `.reshape`, `.view` by heads, pure torch functions and modules, a piece cloned before it is written.
+  `attrgetter`, a helper handed `self`, a property, `get_submodule` also unbound on `nn.Module`, `parameters()`,
+  `state_dict()`, `hasattr`, `vars`, `self` carried in a record, a global hook registered in forward), anywhere in
+  forward. Twin: the same spellings reaching a plain attribute, a property or helper that names no projection,
+  outside the region.
+- `implicit`: the caller hands the block an object whose special methods switch grad mode (`Toggle`, `Meddler(None)`)
+  or write the input it holds (`Sly`, `Meddler(x)`), and the region runs one of them though no special method is
+  spelled: a truth test, `not`, `and`, `assert`, `len`, `int`, an f-string, `==`, `<`, a comprehension filter, `+=`,
+  an item store or read, `+` either side, unary `-`, iteration, unpacking, `*obj`, `in`, use as an index, a dict
+  key, an attribute read, a `match` subject, an `operator` function. Twin: the same spelling in the region on a
+  number, shape or fresh tensor the forward made (`x.shape[0]`, `x.shape`).
+- `pieces`: a piece that escapes (stored on self, alone or in a dataclass, a namedtuple in a list, a nested dict, a
+  global record, a closure cell, a lambda's or function's default, a generator, through a walrus; then written by a
+  hook or later; handed to user functions and modules, written in place through a list, returned and written by
+  the caller) or is flattened across rows with `.view()` (also through the class) or has its layout or identity
+  observed (`stride`, `is_contiguous` also through the class or `.mT.mT`, `storage_offset`, `is`, `id`). Both are
+  expected fused (escaping pieces are copied), the twin without copies: `.reshape` (also through the class), `.view`
+  by heads, pure torch functions and modules, a product with `.mT`, a local namedtuple, a piece cloned before it is
+  written.
 
 Every case is built with validation off and on (`fusegen.compiler.build.build`) and judged by
 `fusegen.tools.oracle.verdict` (logits and gradients; eval and train; with and without bf16 autocast; each value of
@@ -603,25 +619,28 @@ IMPLICIT = {
     "filter": ("w = float(len([1 for _ in range(2) if {o}]))", "x.shape[0]"),
     "augmented": ("{o} += 1", "n"),
     "item_store": ("{o}[0] = 1.0", "buf"),
-    "item_read": ("w = float({o}[0])", "x.shape"),
-    "operator": ("w = float({o} + 1)", "x.shape[0]"),
-    "reflected_operator": ("w = float(1 + {o})", "x.shape[0]"),
-    "negative": ("w = float(-{o}) + 2.0", "x.shape[0]"),
+    "item_read": ("z = {o}[0]", "x.shape"),
+    "operator": ("z = {o} + 1", "x.shape[0]"),
+    "reflected_operator": ("z = 1 + {o}", "x.shape[0]"),
+    "negative": ("z = -{o}", "x.shape[0]"),
     "order": ("w = 2.0 if {o} < 3 else 1.0", "x.shape[0]"),
     "iteration": ("for _ in {o}:\n    pass", "x.shape"),
     "unpacking": ("a, b = {o}", "x.shape[:2]"),
     "starred": ("w = float(len([*{o}]))", "x.shape"),
     "membership": ("w = 2.0 if 3 in {o} else 1.0", "x.shape"),
-    "as_index": ("w = [1.0, 2.0][{o}]", "x.shape[0] % 2"),
+    "as_index": ("z = x[..., {o}]", "x.shape[0] % 2"),
     "int_builtin": ("w = float(int({o}))", "x.shape[0]"),
     "hashed_key": ("w = float(len({{{o}: 1}}))", "x.shape[0]"),
-    "attribute": ("w = float({o}.real)", "x.shape[0]"),
+    "attribute": ("z = {o}.real", "x.shape[0]"),
+    "operator_function": ("z = operator.add({o}, 1)", "x.shape[0]"),
+    "operator_truth": ("z = operator.truth({o})", "x.shape[0]"),
     "boolean_and": ("w = ({o} and 2.0) or 1.0", "x.shape[0]"),
     "assertion": ("assert {o}", "x.shape[0]"),
     "match_subject": ("match {o}:\n    case 1:\n        w = 2.0", "x.shape[0]"),
 }
-"""Operations that run `{o}`'s special methods with no call spelled (most set `w`, which the result reads), each
-with the operand of its twin: a number or shape the forward made (`n`, `buf`: `TWIN_SETUP`)."""
+"""Operations that run `{o}`'s special methods with no special method spelled (some set `w`, which the result
+reads; those binding `z` keep the build's tracer going, which stops at a proxy's truth or `float`), each with the
+operand of its twin: a number or shape the forward made (`n`, `buf`: `TWIN_SETUP`)."""
 TWIN_SETUP = {"n": "n = x.shape[0]", "buf": "buf = torch.zeros(3)"}
 OLD_SPELLINGS = ("truth", "negation", "length", "format", "equality", "filter")
 IMPLICIT_SUPPORTED = {

@@ -25,10 +25,13 @@ them (each an allowlist; a false alarm costs a fusion, a miss returns wrong numb
   registered in forward.
 
 * **Implicit calls** (`implicit-call`). An operator, comparison, truth test, item or attribute read, iteration,
-  f-string, builtin such as `len` or `next`, decorator or class statement runs special methods of its operands with
-  no call spelled: such operands must be known to be tensors, numbers, strings, torch or Transformers objects
-  (`known_names`), or the code they run (a `__bool__` that switches grad mode, a generator made before the region, a
-  `__len__` that writes what the caller handed) escapes every rule above.
+  f-string, builtin such as `len` or `next` or `operator` function, decorator or class statement runs special
+  methods of its operands with no call spelled: such operands must be known to be tensors, numbers, strings, torch
+  or Transformers objects (`known_names`), or the code they run (a `__bool__` that switches grad mode, a generator
+  made before the region, a `__len__` that writes what the caller handed) escapes every rule above. A builtin that
+  calls a function it is handed (`max(..., key=f)`, `map(f, ...)`) must be handed a builtin or torch one; and what a
+  builtin returns is known only from known operands (`_builtin_result_known`: `next` of a `map` over a grad switch,
+  made before the region, runs that switch in it).
 
 Besides, `argument-write` refuses torch functions that write an argument though their name has no underscore:
 `F.embedding`/`F.embedding_bag` with `max_norm` (they renormalise the weight rows they read) and
@@ -470,8 +473,9 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
 
 # --- implicit calls ---------------------------------------------------------------------------------------------
 
-_QUIET_BUILTINS = frozenset({"type", "id", "isinstance", "issubclass", "callable"})
-"""Builtins that run no special method of what they are handed (`isinstance` reads the class, not the object)."""
+_QUIET_BUILTINS = frozenset({"type", "id", "isinstance", "issubclass", "callable", "is_", "is_not"})
+"""Builtins and `operator` functions that run no special method of what they are handed (`isinstance` reads the
+class, not the object; `operator.is_` compares identity)."""
 
 _CONSTANT_TYPES = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), range, slice, torch.dtype,
                    torch.device, torch.Size, torch.memory_format, torch.layout, torch.Tensor, types.ModuleType,
@@ -720,8 +724,10 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
     number, string or Transformers object, though no call is spelled: an operator or comparison (`cache + 1`,
     `sw == 0`; not `is`), a truth test (`if sw:`, `assert`, `and`/`or`/`not`), an item or attribute read (`__getitem__`,
     a property, `__getattr__`), iteration or unpacking (`for t in cache`, `a, b = obj`, `*obj`), a `match` subject,
-    an f-string (`__format__`), a builtin that calls the special methods of what it is handed (`len`, `next`, `str`, `list`, ...,
-    not `isinstance`/`type`), a decorator applied, a class statement (its body, bases and metaclass run).
+    an f-string (`__format__`), a builtin or `operator` function that calls the special methods of what it is handed
+    (`len`, `next`, `str`, `list`, `operator.add`, ..., not `isinstance`/`type`/`operator.is_`), a function a builtin
+    calls (`map(f, ...)`, `max(..., key=f)`: `_called_operand`, unless a builtin or torch function), a decorator
+    applied, a class statement (its body, bases and metaclass run).
 
     Sound because each of these runs user code exactly when an operand's special methods are user code, and
     `known_names` admits only values whose special methods are torch's, Python's or (trusted) Transformers': such code
@@ -787,11 +793,12 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             yield Refused("implicit-call", f"`class {node.name}` runs its body, bases and metaclass", node)
         elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
             resolved = lookup.resolve_dotted(node.func, namespace, local)
-            if (
-                isinstance(resolved, (types.BuiltinFunctionType, type))
-                and (getattr(builtins, getattr(resolved, "__name__", ""), None) is resolved)
-                and resolved.__name__ not in _QUIET_BUILTINS
-            ):
+            builtin = isinstance(resolved, (types.BuiltinFunctionType, type)) and (
+                getattr(builtins, getattr(resolved, "__name__", ""), None) is resolved
+            )
+            # `operator.add(obj, 1)`, `operator.truth(obj)`: the operator spelled as a function, as `obj + 1` is
+            operator_function = lookup.operator_module_function(resolved) is not None
+            if (builtin or operator_function) and resolved.__name__ not in _QUIET_BUILTINS:
                 for argument in (*node.args, *(k.value for k in node.keywords)):
                     if not isinstance(argument, ast.GeneratorExp):  # its parts are nodes of the region, judged here
                         yield from operand(node, argument, "hands a builtin")
