@@ -732,6 +732,8 @@ class FamilyFigures:
     refusals: Counter = field(default_factory=Counter)
     """(family, role, rule) -> how many refused cases the rule fired in (either validation mode)."""
     invalid: list[str] = field(default_factory=list)
+    spellings: set = field(default_factory=set)
+    """(family, spelling) of every pair drawn (the piece left out)."""
     seconds: float = 0.0
 
     def add(self, pair: Pair, role: str, validate: bool, toy: Toy, result: str, rules=()) -> None:
@@ -754,6 +756,8 @@ class FamilyFigures:
 
     def report(self) -> str:
         lines = [f"pairs: {self.pairs} (a hazard and its safe twin each, built with validation off and on)"]
+        drawn = Counter(family for family, _ in self.spellings)
+        lines.append("distinct spellings drawn: " + ", ".join(f"{f} {drawn[f]}" for f in FAMILY_NAMES))
         for family in FAMILY_NAMES:
             for role in ("hazard", "twin"):
                 for mode in ("validation off", "validation on"):
@@ -799,6 +803,7 @@ def run(pairs: int, seed: int = 0, workdir: Path | None = None, modes=(False, Tr
             family, turn = FAMILY_NAMES[index % len(FAMILY_NAMES)], index // len(FAMILY_NAMES)
             pair = draw_pair(rng.choice, rng.randint, family, turn)
             check_pair(root, "family_cases", index, pair, figures, modes)
+            figures.spellings.add((family, pair.spelling.split(" (")[0]))
             figures.pairs += 1
     figures.seconds = time.perf_counter() - start
     return figures
