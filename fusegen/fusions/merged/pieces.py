@@ -7,7 +7,8 @@ written in place. The original's projection outputs were independent, contiguous
 * `needs_own_storage`: a piece that may be written in place later, by code the forward does not show, gets a
   copy of its own (`piece = piece.clone()`, exact: see `rewrite_forward.detach_written_pieces`). That is a piece
   any alias of which is stored away (`self.seen = k`, `box[0] = k`, a `global` name), also inside a dict, a record a
-  class makes (`KV(k, v)`, a dataclass) or a lambda (`_carries`), captured by a nested function or lambda
+  class makes (`KV(k, v)`, a dataclass), such a record in a list, a lambda, a generator or a walrus (`_carries`),
+  captured by a nested function or lambda, in its body or as a default value, or by a generator expression
   (`_captures`), handed to a method of an object that outlives the forward (`CACHE.append(k)`,
   `self.store.append(k)`: `_into_held_object`), returned as it is or in such a record, handed to a module-level
   Python function not proven free of writes (`region_rules.effect_free`), or handed to a submodule not proven so
@@ -107,12 +108,14 @@ def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]
     made by a class handed one (`KV(k, v)`, a dataclass), or a lambda reading one."""
     if _holds(expr, tracked):
         return True
-    if isinstance(expr, (ast.Dict, ast.Set)):
+    if isinstance(expr, (ast.Dict, ast.Set, ast.List, ast.Tuple, ast.Starred, ast.NamedExpr, ast.IfExp)):
+        # `[Couple(k, None)]`, `(held := k)`: what an element (or the walrus's value) carries, the container does
         return any(
             _carries(e, tracked, namespace, local) for e in ast.iter_child_nodes(expr) if isinstance(e, ast.expr)
         )
-    if isinstance(expr, ast.Lambda):
-        return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(expr.body))
+    if isinstance(expr, (ast.Lambda, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)):
+        # a lambda's body or defaults, a generator's or comprehension's iterables and elements: read when it runs
+        return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(expr))
     if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):
         resolved = lookup.resolve_dotted(expr.func, namespace, local)
         if isinstance(resolved, type) and not (resolved.__module__ or "").startswith("torch"):
@@ -124,10 +127,16 @@ def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]
 def _captures(node: ast.AST, tracked: set[str], funcdef: ast.FunctionDef) -> bool:
     """Is `node` a nested function or lambda of the forward whose body reads one of `tracked` (a closure over a piece:
     whoever ends up holding it reaches the piece after forward returns)?"""
-    if node is funcdef or not isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
+    if node is funcdef or not isinstance(
+        node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.GeneratorExp)
+    ):  # fmt: skip
         return False
+    if isinstance(node, ast.GeneratorExp):  # a generator holds its first iterable until it is exhausted
+        return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(node))
     body = [node.body] if isinstance(node, ast.Lambda) else node.body
-    return any(isinstance(n, ast.Name) and n.id in tracked for stmt in body for n in walk(stmt))
+    # a default value (`lambda t=k: t`, `def later(t=k)`) is kept by the function as its body's names are
+    defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+    return any(isinstance(n, ast.Name) and n.id in tracked for stmt in [*body, *defaults] for n in walk(stmt))
 
 
 def _into_held_object(func: ast.expr, namespace: dict, local: set[str], module) -> bool:

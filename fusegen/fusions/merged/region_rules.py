@@ -223,7 +223,8 @@ def _context_of(expr: ast.expr, namespace: dict, local: set[str]) -> object:
 def fresh_names(funcdef: ast.FunctionDef, module: nn.Module, namespace: dict, tracked: set[str]) -> set[str]:
     """Local names that can only hold new storage this forward made: every binding of the name (anywhere, so
     flow-insensitively) is an allocation (`torch.empty_like(x)`, `x.new_zeros(n)`, `.clone()`), a plain linear's
-    output, a constant, or a view, item or arithmetic result of such names. Never a parameter, a `global` or
+    output, a constant, or a view, item or arithmetic result of such names (or a copy or arithmetic result of a
+    parameter annotated as a tensor). Never a parameter, a `global` or
     `nonlocal` name, or a name bound by `for`, `with`, `match` or a walrus from anything else."""
     parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
     declared = {n for node in walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
@@ -242,12 +243,19 @@ def fresh_names(funcdef: ast.FunctionDef, module: nn.Module, namespace: dict, tr
             for name in dataflow.bound_names(target) if target is not None else ():
                 bindings.setdefault(name, []).append(None)
     candidates = set(bindings) - parameters - declared - {"self"}
+    # a parameter annotated as a tensor is one (the annotation is trusted, as in `tensor_names`): `y.clone()`,
+    # `y + 1` are new storage; `y` itself never is (it is not a candidate)
+    tensors = set(tracked) | {
+        arg.arg
+        for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs)
+        if arg.annotation is not None and "Tensor" in ast.unparse(arg.annotation) and arg.arg not in declared
+    }
     fresh = set(candidates)
     changed = True
     while changed:
         changed = False
         for name in sorted(fresh):
-            if not all(value is not None and _fresh_expr(value, fresh, tracked, module, namespace)
+            if not all(value is not None and _fresh_expr(value, fresh, tensors, module, namespace)
                        for value in bindings[name]):  # fmt: skip
                 fresh.discard(name)
                 changed = True
