@@ -1362,6 +1362,13 @@ FOURTH_HAZARDS = {
     "piece4_identity_compared_by_id": _post("w = 2.0 if id(v) == id(v.contiguous()) else 1.0"),
     "alias4_operator_function_dunder": _sly("z = operator.add(cache, 1.0)"),
     "ctx4_operator_function_dunder": _flip_around_k("same = operator.eq(sw, 1)"),
+    "piece4_kept_by_a_lambda_default": _escape(("self.later = lambda held=k: held",), "m.later().mul_(2.0)"),
+    "piece4_kept_by_a_def_default": _escape(
+        ("def later(held=v):\n    return held", "self.later = later"), "m.later().mul_(2.0)"
+    ),
+    "piece4_kept_by_a_generator": _escape(("self.later = (t for t in (k,))",), "next(m.later).mul_(2.0)"),
+    "piece4_record_in_a_list_stored": _escape(("self.seen = [KV(k, v)]",), "m.seen[0].k.mul_(2.0)"),
+    "piece4_walrus_stored": _escape(("self.seen = (kept := v)",), "m.seen.mul_(2.0)"),
 }
 
 FOURTH_SAFE = {
@@ -1457,6 +1464,13 @@ FOURTH_SAFE = {
     "ctx4_max_keyed_by_a_builtin": Toy(
         (_Q, "n = max(x.shape, key=abs)", _K, _V), ret="return q * n + torch.cat([k, v], dim=-1)", extra=_F
     ),
+    "alias4_typed_parameter_cloned_then_written": Toy(
+        (_Q, "t = y.clone()", "t.mul_(2.0)", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y: torch.Tensor",
+        ret="return q + torch.cat([k, v], dim=-1) + t",
+        extra=_F,
+    ),
     "ctx4_zip_over_a_shape": Toy(
         ("pairs = zip(x.shape, 'abc')", _Q, "n, tag = next(pairs)", _K, _V),
         ret="return q * n + torch.cat([k, v], dim=-1)",
@@ -1479,7 +1493,7 @@ def _batch_cases(batches: dict, slow: tuple[str, ...] = ()) -> list:
     ]
 
 
-# the fourth batch's 91 hazards, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
+# the fourth batch's 96 hazards, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
 @pytest.mark.parametrize(("toy", "name"), _batch_cases(HAZARD_BATCHES, slow=("fourth",)))
 def test_batch_hazard_is_refused_or_sound(case_path, toy, name):
     verdict = _verdict(case_path, write_toy(case_path, name, toy), name, validate=False)

@@ -314,6 +314,10 @@ PIECES = {
     "a piece whose layout is read": Toy(
         (Q, K, V, "w = 2.0 if k.is_contiguous() else 1.0"), ret="return q * w + torch.cat([k, v], dim=-1)"
     ),
+    "a piece kept by a lambda's default value": Toy(
+        (Q, K, V, "self.later = lambda held=k: held"),
+        layer="        self.block.register_forward_hook(lambda m, args, out: [m.later().mul_(2.0)] and None)",
+    ),
     "a piece whose identity is compared through id": Toy(
         (Q, K, V, "w = 2.0 if id(v) == id(v.contiguous()) else 1.0"), ret="return q * w + torch.cat([k, v], dim=-1)"
     ),
