@@ -1340,6 +1340,42 @@ FOURTH_HAZARDS = {
         signature="x, y",
         extra=_F,
     ),
+    # 6. found by the family fuzzer (issue 24, item 8): what a builtin returns, or calls, is user code; an identity
+    # compared through `id`. Each fused and miscompiled before (regions_rules `_builtin_result_known`,
+    # `_called_operand`; pieces `_identity_function`).
+    "ctx4_lazy_map_of_a_flip": Toy(
+        ("ticks = map(flip_on_decoration, (1, 2, 3))", _Q, "n = next(ticks)", _K, "n = next(ticks)", _V),
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "ctx4_lazy_filter_of_a_flip": Toy(
+        ("ticks = filter(flip_on_decoration, (1, 2, 3))", _Q, "n = next(ticks)", _K, "n = next(ticks)", _V),
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "ctx4_iter_with_a_sentinel": Toy(("ticks = iter(_flip, 0)", _Q, "next(ticks)", _K, "next(ticks)", _V), extra=_F),
+    "ctx4_zip_over_a_generator": Toy(
+        ("ticks = zip(grad_off_then_back(), 'ab')", _Q, "next(ticks)", _K, "next(ticks)", _V), extra=_F
+    ),
+    "ctx4_key_function_of_max": _flip_around_k("top = max((3,), key=flip_on_decoration)", before=()),
+    "ctx4_key_function_of_sorted": _flip_around_k("order = sorted([2], key=flip_on_decoration)", before=()),
+    "ctx4_caller_object_picked_by_min": _flip_around_k("if sw:\n    pass", before=("sw = min([Toggle()])",)),
+    "alias4_iter_with_a_sentinel_writing": Toy(
+        ("steps = iter(functools.partial(y.mul_, 3.0), None)", _Q, "next(steps)", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y",
+        extra=_F,
+    ),
+    "piece4_identity_compared_by_id": _post("w = 2.0 if id(v) == id(v.contiguous()) else 1.0"),
+    "alias4_operator_function_dunder": _sly("z = operator.add(cache, 1.0)"),
+    "ctx4_operator_function_dunder": _flip_around_k("same = operator.eq(sw, 1)"),
+    "piece4_kept_by_a_lambda_default": _escape(("self.later = lambda held=k: held",), "m.later().mul_(2.0)"),
+    "piece4_kept_by_a_def_default": _escape(
+        ("def later(held=v):\n    return held", "self.later = later"), "m.later().mul_(2.0)"
+    ),
+    "piece4_kept_by_a_generator": _escape(("self.later = (t for t in (k,))",), "next(m.later).mul_(2.0)"),
+    "piece4_record_in_a_list_stored": _escape(("self.seen = [KV(k, v)]",), "m.seen[0].k.mul_(2.0)"),
+    "piece4_walrus_stored": _escape(("self.seen = (kept := v)",), "m.seen.mul_(2.0)"),
 }
 
 FOURTH_SAFE = {
@@ -1427,6 +1463,26 @@ FOURTH_SAFE = {
     "ident4_torch_helper_renamed_pure": Toy(
         ("join = torch.cat", _Q, _K, _V), ret="return q + join([k, v], dim=-1)", extra=_F
     ),
+    "ctx4_lazy_map_of_a_builtin_over_a_shape": Toy(
+        ("dims = map(abs, x.shape)", _Q, "n = next(dims)", _K, _V),
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
+    "ctx4_max_keyed_by_a_builtin": Toy(
+        (_Q, "n = max(x.shape, key=abs)", _K, _V), ret="return q * n + torch.cat([k, v], dim=-1)", extra=_F
+    ),
+    "alias4_typed_parameter_cloned_then_written": Toy(
+        (_Q, "t = y.clone()", "t.mul_(2.0)", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y: torch.Tensor",
+        ret="return q + torch.cat([k, v], dim=-1) + t",
+        extra=_F,
+    ),
+    "ctx4_zip_over_a_shape": Toy(
+        ("pairs = zip(x.shape, 'abc')", _Q, "n, tag = next(pairs)", _K, _V),
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+        extra=_F,
+    ),
 }
 
 
@@ -1444,7 +1500,7 @@ def _batch_cases(batches: dict, slow: tuple[str, ...] = ()) -> list:
     ]
 
 
-# the fourth batch's 70 cases, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
+# the fourth batch's 96 hazards, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
 @pytest.mark.parametrize(("toy", "name"), _batch_cases(HAZARD_BATCHES, slow=("fourth",)))
 def test_batch_hazard_is_refused_or_sound(case_path, toy, name):
     verdict = _verdict(case_path, write_toy(case_path, name, toy), name, validate=False)

@@ -263,6 +263,21 @@ BRANCHES.update(
                 extra=_F,
             ),
         ),
+        # the family fuzzer's holes (issue 24, item 8)
+        "implicit-call: a key function a builtin calls": Branch(
+            "implicit-call",
+            Toy(
+                (Q, "top = max((3,), key=flip_on_decoration)", K, "top = max((3,), key=flip_on_decoration)", V),
+                extra=_F,
+            ),
+        ),
+        "implicit-call: an operator function on the caller's object": Branch(
+            "implicit-call", Toy((Q, "z = operator.add(cache, 1.0)", K, V), layer=_SLY, signature="x, cache", extra=_F)
+        ),
+        "implicit-call: a lazy builtin made from a flip": Branch(
+            "implicit-call",
+            Toy(("ticks = map(flip_on_decoration, (1, 2))", Q, "n = next(ticks)", K, "n = next(ticks)", V), extra=_F),
+        ),
     }
 )
 
@@ -298,6 +313,13 @@ PIECES = {
     ),
     "a piece whose layout is read": Toy(
         (Q, K, V, "w = 2.0 if k.is_contiguous() else 1.0"), ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
+    "a piece kept by a lambda's default value": Toy(
+        (Q, K, V, "self.later = lambda held=k: held"),
+        layer="        self.block.register_forward_hook(lambda m, args, out: [m.later().mul_(2.0)] and None)",
+    ),
+    "a piece whose identity is compared through id": Toy(
+        (Q, K, V, "w = 2.0 if id(v) == id(v.contiguous()) else 1.0"), ret="return q * w + torch.cat([k, v], dim=-1)"
     ),
     "a piece in a dict stored on self and written by the caller's hook": Toy(
         (Q, K, V, 'self.seen = {"k": k}'),

@@ -7,7 +7,8 @@ written in place. The original's projection outputs were independent, contiguous
 * `needs_own_storage`: a piece that may be written in place later, by code the forward does not show, gets a
   copy of its own (`piece = piece.clone()`, exact: see `rewrite_forward.detach_written_pieces`). That is a piece
   any alias of which is stored away (`self.seen = k`, `box[0] = k`, a `global` name), also inside a dict, a record a
-  class makes (`KV(k, v)`, a dataclass) or a lambda (`_carries`), captured by a nested function or lambda
+  class makes (`KV(k, v)`, a dataclass), such a record in a list, a lambda, a generator or a walrus (`_carries`),
+  captured by a nested function or lambda, in its body or as a default value, or by a generator expression
   (`_captures`), handed to a method of an object that outlives the forward (`CACHE.append(k)`,
   `self.store.append(k)`: `_into_held_object`), returned as it is or in such a record, handed to a module-level
   Python function not proven free of writes (`region_rules.effect_free`), or handed to a submodule not proven so
@@ -18,7 +19,7 @@ written in place. The original's projection outputs were independent, contiguous
   with a shape not proven to keep every leading dim (`view(-1)` on a piece raises where the original's output
   viewed fine), or its layout is read (`stride()`, `is_contiguous()`, `data_ptr()`, storage, `as_strided`, `_base`),
   also through the class (`torch.Tensor.view(k, -1)`), an attribute view (`k.mT.stride()`) or an identity test
-  (`k.contiguous() is k`: `_layout_shows`). The proof covers what
+  (`k.contiguous() is k`, `id(k.contiguous()) == id(k)`: `_layout_shows`). The proof covers what
   Transformers spells (`q.view(hidden_shape)`, `hidden_shape = (*input_shape, -1, d)`, `input_shape =
   x.shape[:-1]`; `bsz, q_len, _ = x.size()`, `q.view(bsz, q_len, h, d)`), so those models pay nothing.
 """
@@ -107,12 +108,14 @@ def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]
     made by a class handed one (`KV(k, v)`, a dataclass), or a lambda reading one."""
     if _holds(expr, tracked):
         return True
-    if isinstance(expr, (ast.Dict, ast.Set)):
+    if isinstance(expr, (ast.Dict, ast.Set, ast.List, ast.Tuple, ast.Starred, ast.NamedExpr, ast.IfExp)):
+        # `[Couple(k, None)]`, `(held := k)`: what an element (or the walrus's value) carries, the container does
         return any(
             _carries(e, tracked, namespace, local) for e in ast.iter_child_nodes(expr) if isinstance(e, ast.expr)
         )
-    if isinstance(expr, ast.Lambda):
-        return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(expr.body))
+    if isinstance(expr, (ast.Lambda, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)):
+        # a lambda's body or defaults, a generator's or comprehension's iterables and elements: read when it runs
+        return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(expr))
     if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):
         resolved = lookup.resolve_dotted(expr.func, namespace, local)
         if isinstance(resolved, type) and not (resolved.__module__ or "").startswith("torch"):
@@ -124,10 +127,16 @@ def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]
 def _captures(node: ast.AST, tracked: set[str], funcdef: ast.FunctionDef) -> bool:
     """Is `node` a nested function or lambda of the forward whose body reads one of `tracked` (a closure over a piece:
     whoever ends up holding it reaches the piece after forward returns)?"""
-    if node is funcdef or not isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
+    if node is funcdef or not isinstance(
+        node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.GeneratorExp)
+    ):  # fmt: skip
         return False
+    if isinstance(node, ast.GeneratorExp):  # a generator holds its first iterable until it is exhausted
+        return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(node))
     body = [node.body] if isinstance(node, ast.Lambda) else node.body
-    return any(isinstance(n, ast.Name) and n.id in tracked for stmt in body for n in walk(stmt))
+    # a default value (`lambda t=k: t`, `def later(t=k)`) is kept by the function as its body's names are
+    defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+    return any(isinstance(n, ast.Name) and n.id in tracked for stmt in [*body, *defaults] for n in walk(stmt))
 
 
 def _into_held_object(func: ast.expr, namespace: dict, local: set[str], module) -> bool:
@@ -216,7 +225,8 @@ def _layout_shows(node: ast.AST, tracked: set[str]) -> bool:
     """Does `node` show the layout or identity of a piece (possible aliases `tracked`) in a spelling the method check
     of `needs_contiguous` does not read: a layout method called on the class (`torch.Tensor.view(k, -1)`,
     `torch.Tensor.untyped_storage(k)`), on an attribute view (`k.mT.stride()`), a layout attribute (`k._base`), or an
-    identity test between values made from a piece (`k.contiguous() is k`: true for a projection's output only)?"""
+    identity test between values made from a piece (`k.contiguous() is k`: true for a projection's output only), or
+    an identity function handed one (`id(k.contiguous()) == id(k)`)?"""
 
     def made_from_piece(expr):
         while isinstance(expr, ast.Attribute) and expr.attr in _SAME_STORAGE_ATTRS:
@@ -233,10 +243,21 @@ def _layout_shows(node: ast.AST, tracked: set[str]) -> bool:
                 return True
     if isinstance(node, ast.Attribute) and node.attr in LAYOUT_METHODS and made_from_piece(node.value):
         return True
+    if isinstance(node, ast.Call) and _identity_function(node.func):
+        # `id(k.contiguous()) == id(k)`, `operator.is_(k.contiguous(), k)`: identity compared by value
+        return any(made_from_piece(argument) for argument in node.args)
     if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
         sides = (node.left, *node.comparators)
         return sum(made_from_piece(side) for side in sides) >= 2
     return False
+
+
+def _identity_function(func: ast.expr) -> bool:
+    """Is `func` spelled as a function that exposes object identity (`id`, `operator.is_`, `operator.is_not`)? Judged
+    by name: a shadowing name only costs a copy."""
+    if isinstance(func, ast.Name):
+        return func.id in ("id", "is_", "is_not")
+    return isinstance(func, ast.Attribute) and func.attr in ("is_", "is_not")
 
 
 def _kept_or_piece(expr: ast.expr, direct: set[str]) -> bool:

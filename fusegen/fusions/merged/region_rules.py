@@ -25,10 +25,13 @@ them (each an allowlist; a false alarm costs a fusion, a miss returns wrong numb
   registered in forward.
 
 * **Implicit calls** (`implicit-call`). An operator, comparison, truth test, item or attribute read, iteration,
-  f-string, builtin such as `len` or `next`, decorator or class statement runs special methods of its operands with
-  no call spelled: such operands must be known to be tensors, numbers, strings, torch or Transformers objects
-  (`known_names`), or the code they run (a `__bool__` that switches grad mode, a generator made before the region, a
-  `__len__` that writes what the caller handed) escapes every rule above.
+  f-string, builtin such as `len` or `next` or `operator` function, decorator or class statement runs special
+  methods of its operands with no call spelled: such operands must be known to be tensors, numbers, strings, torch
+  or Transformers objects (`known_names`), or the code they run (a `__bool__` that switches grad mode, a generator
+  made before the region, a `__len__` that writes what the caller handed) escapes every rule above. A builtin that
+  calls a function it is handed (`max(..., key=f)`, `map(f, ...)`) must be handed a builtin or torch one; and what a
+  builtin returns is known only from known operands (`_builtin_result_known`: `next` of a `map` over a grad switch,
+  made before the region, runs that switch in it).
 
 Besides, `argument-write` refuses torch functions that write an argument though their name has no underscore:
 `F.embedding`/`F.embedding_bag` with `max_norm` (they renormalise the weight rows they read) and
@@ -41,6 +44,7 @@ import ast
 import builtins
 import contextlib
 import dis
+import functools
 import inspect
 import itertools
 import math
@@ -219,7 +223,8 @@ def _context_of(expr: ast.expr, namespace: dict, local: set[str]) -> object:
 def fresh_names(funcdef: ast.FunctionDef, module: nn.Module, namespace: dict, tracked: set[str]) -> set[str]:
     """Local names that can only hold new storage this forward made: every binding of the name (anywhere, so
     flow-insensitively) is an allocation (`torch.empty_like(x)`, `x.new_zeros(n)`, `.clone()`), a plain linear's
-    output, a constant, or a view, item or arithmetic result of such names. Never a parameter, a `global` or
+    output, a constant, or a view, item or arithmetic result of such names (or a copy or arithmetic result of a
+    parameter annotated as a tensor). Never a parameter, a `global` or
     `nonlocal` name, or a name bound by `for`, `with`, `match` or a walrus from anything else."""
     parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
     declared = {n for node in walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
@@ -238,12 +243,19 @@ def fresh_names(funcdef: ast.FunctionDef, module: nn.Module, namespace: dict, tr
             for name in dataflow.bound_names(target) if target is not None else ():
                 bindings.setdefault(name, []).append(None)
     candidates = set(bindings) - parameters - declared - {"self"}
+    # a parameter annotated as a tensor is one (the annotation is trusted, as in `tensor_names`): `y.clone()`,
+    # `y + 1` are new storage; `y` itself never is (it is not a candidate)
+    tensors = set(tracked) | {
+        arg.arg
+        for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs)
+        if arg.annotation is not None and "Tensor" in ast.unparse(arg.annotation) and arg.arg not in declared
+    }
     fresh = set(candidates)
     changed = True
     while changed:
         changed = False
         for name in sorted(fresh):
-            if not all(value is not None and _fresh_expr(value, fresh, tracked, module, namespace)
+            if not all(value is not None and _fresh_expr(value, fresh, tensors, module, namespace)
                        for value in bindings[name]):  # fmt: skip
                 fresh.discard(name)
                 changed = True
@@ -462,8 +474,9 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
 
 # --- implicit calls ---------------------------------------------------------------------------------------------
 
-_QUIET_BUILTINS = frozenset({"type", "id", "isinstance", "issubclass", "callable"})
-"""Builtins that run no special method of what they are handed (`isinstance` reads the class, not the object)."""
+_QUIET_BUILTINS = frozenset({"type", "id", "isinstance", "issubclass", "callable", "is_", "is_not"})
+"""Builtins and `operator` functions that run no special method of what they are handed (`isinstance` reads the
+class, not the object; `operator.is_` compares identity)."""
 
 _CONSTANT_TYPES = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), range, slice, torch.dtype,
                    torch.device, torch.Size, torch.memory_format, torch.layout, torch.Tensor, types.ModuleType,
@@ -598,16 +611,67 @@ def _known(expr, known, module, namespace, local) -> bool:
                 # a method `region-call` judges (`cache.update(k, v, i)`), or a local callable bound from known code
                 # (`attention_interface`, never a lambda): its result is trusted as everywhere else in these rules
                 return isinstance(func, ast.Attribute) or rec(func)
-            if isinstance(resolved, type):
-                return _plain_value(resolved) and (resolved.__module__ or "").startswith(("builtins", "torch"))
+            operands = [*expr.args, *(k.value for k in expr.keywords)]
             if isinstance(resolved, types.FunctionType):
                 generator = resolved.__code__.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE)
                 # an effect-free function makes nothing but through torch, numbers and tuples, from its arguments
-                operands = [*expr.args, *(k.value for k in expr.keywords)]
                 return not generator and effect_free(resolved) and all(rec(operand) for operand in operands)
-            return callable(resolved)  # a builtin or torch function: its result is a value of torch or Python
+            if isinstance(resolved, type):
+                if not (_plain_value(resolved) and (resolved.__module__ or "").startswith(("builtins", "torch"))):
+                    return False
+            elif not callable(resolved):
+                return False
+            return _builtin_result_known(resolved, expr, operands, rec, namespace, local)
         return False
     return False
+
+
+_FIXED_RESULT = (len, bool, id, hash, isinstance, issubclass, callable, hasattr, int, float)
+"""Builtins whose result is an exact `int`, `float` or `bool` whatever they are handed (Python converts what a
+special method returns: `int(obj)` is an exact int even if `obj.__int__` returns a subclass)."""
+
+
+def _called_operand(resolved: object, call: ast.Call) -> ast.expr | None:
+    """The operand a builtin calls, now or when its result is advanced: the function of `map`, `filter`,
+    `functools.reduce` and the two-argument `iter(f, sentinel)`, the `key` of `sorted`, `min` and `max`."""
+    if resolved in (map, filter, functools.reduce) or (resolved is iter and len(call.args) == 2):
+        return call.args[0] if call.args else None
+    if resolved in (sorted, min, max):
+        return next((k.value for k in call.keywords if k.arg == "key"), None)
+    return None
+
+
+def _builtin_callable(expr: ast.expr, namespace: dict, local: set[str]) -> bool:
+    """Is `expr` a function of Python's builtins, `math`, `operator` or torch (its code is not the case's), never a
+    lambda, a local name, a Python function, a `functools.partial` or a class the case defines?"""
+    if not isinstance(expr, (ast.Name, ast.Attribute)):
+        return False
+    resolved = lookup.resolve_dotted(expr, namespace, local)
+    if resolved is lookup.UNRESOLVED:
+        return False
+    if isinstance(resolved, type):
+        return (resolved.__module__ or "") == "builtins" and _plain_value(resolved)
+    if isinstance(resolved, types.BuiltinFunctionType):
+        module = getattr(resolved, "__module__", None) or ""
+        return module in ("builtins", "math", "_operator", "operator") or module.startswith("torch")
+    return lookup.is_functional(resolved) or lookup.is_pure_torch(resolved)
+
+
+def _builtin_result_known(resolved, call: ast.Call, operands: list, rec, namespace: dict, local: set[str]) -> bool:
+    """Are the special methods of what a builtin or torch call returns known not to run user code?
+
+    Sound because such a call runs only its own (C or torch) code, the special methods of its operands and, for the
+    builtins of `_called_operand`, the operand they call. So if the called operand is a builtin function
+    (`_builtin_callable`) and every operand is known, its result is a new builtin object over known values (a list, a
+    lazy `map`/`zip`/`iter` whose `__next__` runs only known code), or one of the operands or a part or special-method
+    result of one, known as `_known` treats items and attributes of known values; a builtin of `_FIXED_RESULT`
+    returns an exact number or bool whatever it is handed. Before, any builtin's result was known: `map(flip, r)`,
+    `iter(flip, 1)`, `zip(generator, r)` or `min([obj])` made before the region, then `next(...)`/`if t:` in it, ran
+    a grad switch or the caller object's special methods where no rule looked."""
+    called = _called_operand(resolved, call)
+    if called is not None and not _builtin_callable(called, namespace, local):
+        return False
+    return resolved in _FIXED_RESULT or all(rec(operand) for operand in operands)
 
 
 _CLASS_BOOKKEEPING = frozenset(
@@ -661,8 +725,10 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
     number, string or Transformers object, though no call is spelled: an operator or comparison (`cache + 1`,
     `sw == 0`; not `is`), a truth test (`if sw:`, `assert`, `and`/`or`/`not`), an item or attribute read (`__getitem__`,
     a property, `__getattr__`), iteration or unpacking (`for t in cache`, `a, b = obj`, `*obj`), a `match` subject,
-    an f-string (`__format__`), a builtin that calls the special methods of what it is handed (`len`, `next`, `str`, `list`, ...,
-    not `isinstance`/`type`), a decorator applied, a class statement (its body, bases and metaclass run).
+    an f-string (`__format__`), a builtin or `operator` function that calls the special methods of what it is handed
+    (`len`, `next`, `str`, `list`, `operator.add`, ..., not `isinstance`/`type`/`operator.is_`), a function a builtin
+    calls (`map(f, ...)`, `max(..., key=f)`: `_called_operand`, unless a builtin or torch function), a decorator
+    applied, a class statement (its body, bases and metaclass run).
 
     Sound because each of these runs user code exactly when an operand's special methods are user code, and
     `known_names` admits only values whose special methods are torch's, Python's or (trusted) Transformers': such code
@@ -728,14 +794,22 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             yield Refused("implicit-call", f"`class {node.name}` runs its body, bases and metaclass", node)
         elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
             resolved = lookup.resolve_dotted(node.func, namespace, local)
-            if (
-                isinstance(resolved, (types.BuiltinFunctionType, type))
-                and (getattr(builtins, getattr(resolved, "__name__", ""), None) is resolved)
-                and resolved.__name__ not in _QUIET_BUILTINS
-            ):
+            builtin = isinstance(resolved, (types.BuiltinFunctionType, type)) and (
+                getattr(builtins, getattr(resolved, "__name__", ""), None) is resolved
+            )
+            # `operator.add(obj, 1)`, `operator.truth(obj)`: the operator spelled as a function, as `obj + 1` is
+            operator_function = lookup.operator_module_function(resolved) is not None
+            if (builtin or operator_function) and resolved.__name__ not in _QUIET_BUILTINS:
                 for argument in (*node.args, *(k.value for k in node.keywords)):
                     if not isinstance(argument, ast.GeneratorExp):  # its parts are nodes of the region, judged here
                         yield from operand(node, argument, "hands a builtin")
+                called = _called_operand(resolved, node)
+                if called is not None and not _builtin_callable(called, namespace, local):
+                    yield Refused(
+                        "implicit-call",
+                        f"`{ast.unparse(node)}` calls `{ast.unparse(called)}`, which may be user code",
+                        node,
+                    )
 
 
 def local_lambdas(funcdef: ast.FunctionDef, namespace: dict, local: set[str]) -> dict[str, types.FunctionType]:
