@@ -70,16 +70,21 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
     """Is a piece whose possible aliases are `tracked` stored away, returned, or handed to unproven code?"""
     local = dataflow.local_names(funcdef)
     declared = {n for node in walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+    parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
     for node in walk(funcdef):
         if isinstance(node, ast.Return) and node.value is not None and _carries(node.value, tracked, namespace, local):
             return True
-        stored = isinstance(node, ast.Assign) and any(
-            isinstance(t, (ast.Attribute, ast.Subscript)) or (isinstance(t, ast.Name) and t.id in declared)
-            for target in node.targets
-            for t in walk(target)
-        )
-        if stored and _carries(node.value, tracked, namespace, local):
+        # an exception carries what it was made with to whoever catches it: a handler, or the caller
+        if isinstance(node, ast.Raise) and any(_holds(e, tracked) for e in walk(node) if isinstance(e, ast.expr)):
             return True
+        for targets, value in _stores(node):
+            stored = any(
+                isinstance(t, (ast.Attribute, ast.Subscript)) or (isinstance(t, ast.Name) and t.id in declared)
+                for target in targets
+                for t in walk(target)
+            )
+            if stored and _carries(value, tracked, namespace, local):
+                return True
         if _captures(node, tracked, funcdef):
             return True
         if not isinstance(node, ast.Call):
@@ -90,6 +95,8 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
         func = node.func
         if _into_held_object(func, namespace, local, module):
             return True
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in parameters:
+            return True  # a method of an object the caller handed in (`sink.append(k)`): the caller keeps it
         if self_attr(func):
             child = getattr(module, func.attr, None) if module is not None else None
             if isinstance(child, nn.Module) and not module_effect_free(child):
@@ -100,6 +107,21 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
             if user and not region_rules.effect_free(resolved):
                 return True
     return False
+
+
+def _stores(node: ast.AST) -> list[tuple[list[ast.expr], ast.expr]]:
+    """The (targets, value) pairs `node` stores: an assignment (plain, annotated, augmented), a `for` target (each item
+    of the iterable, so the iterable stands for the value), a `with ... as` target (what the manager's `__enter__`
+    returns: `nullcontext(k)` returns `k`, so the manager expression stands for the value)."""
+    if isinstance(node, ast.Assign):
+        return [(node.targets, node.value)]
+    if isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+        return [([node.target], node.value)]
+    if isinstance(node, (ast.For, ast.AsyncFor)):
+        return [([node.target], node.iter)]
+    if isinstance(node, (ast.With, ast.AsyncWith)):
+        return [([item.optional_vars], item.context_expr) for item in node.items if item.optional_vars is not None]
+    return []
 
 
 def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]) -> bool:
@@ -113,6 +135,8 @@ def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]
         )
     if isinstance(expr, ast.Lambda):
         return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(expr.body))
+    if isinstance(expr, (ast.Tuple, ast.List)):
+        return any(_carries(e, tracked, namespace, local) for e in expr.elts)
     if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):
         resolved = lookup.resolve_dotted(expr.func, namespace, local)
         if isinstance(resolved, type) and not (resolved.__module__ or "").startswith("torch"):
@@ -126,8 +150,8 @@ def _captures(node: ast.AST, tracked: set[str], funcdef: ast.FunctionDef) -> boo
     whoever ends up holding it reaches the piece after forward returns)?"""
     if node is funcdef or not isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
-    body = [node.body] if isinstance(node, ast.Lambda) else node.body
-    return any(isinstance(n, ast.Name) and n.id in tracked for stmt in body for n in walk(stmt))
+    # the whole definition: its body's free names, and its default values and decorators, which it keeps or runs
+    return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(node))
 
 
 def _into_held_object(func: ast.expr, namespace: dict, local: set[str], module) -> bool:
