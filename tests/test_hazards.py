@@ -1420,7 +1420,9 @@ FOURTH_SAFE = {
             _K,
             _V,
         ),
-        signature="x, cache=None",
+        # typed: `isinstance` on an untyped object reads its `__class__`, which may be a property (the fifth batch's
+        # `alias5_class_property_lies_to_narrowing`), so an untyped `cache` is refused since then
+        signature="x, cache: DynamicCache | None = None",
         ret="return q * n + torch.cat([k, v], dim=-1)",
         extra=_F + "from transformers import DynamicCache\n",
     ),
@@ -1442,6 +1444,8 @@ FOURTH_SAFE = {
 _H5 = '''
 import contextvars
 import weakref
+
+from transformers import DynamicCache
 
 SEEN = []
 LAST_PIECE = contextvars.ContextVar("LAST_PIECE")
@@ -1514,6 +1518,22 @@ class Masked:
     def __class__(self):
         self.t.mul_(2.0)
         return Masked
+
+
+class Liar:
+    """Holds a tensor; says its class is `DynamicCache` (`__class__`), and reading `layers` doubles the tensor."""
+
+    def __init__(self, t):
+        self.t = t
+
+    @property
+    def __class__(self):
+        return DynamicCache
+
+    @property
+    def layers(self):
+        self.t.mul_(2.0)
+        return []
 
 
 class Hijack:
@@ -1630,6 +1650,18 @@ FIFTH_HAZARDS = {
     "ctx5_chained_comparison": _t5(
         _TOGGLE, _Q, "ok = 2 == x.shape[0] == sw", _K, "ok = 2 == x.shape[0] == sw", _V
     ),
+    "ctx5_global_hook_table_item_store": _t5(
+        _Q,
+        "torch.nn.modules.module._global_forward_hooks[-5] = double_plain_linears",
+        _K,
+        _V,
+        "del torch.nn.modules.module._global_forward_hooks[-5]",
+    ),
+    "ctx5_nested_def_flips": _t5("def quiet():\n    _flip()", _Q, "quiet()", _K, "quiet()", _V),
+    "ctx5_grad_switch_in_conditional_expression": _t5(
+        "keep = torch.is_grad_enabled()", _Q, "torch._C._set_grad_enabled(False) if keep else None", _K,
+        "torch._C._set_grad_enabled(keep)", _V,
+    ),
     # 2. the caller's alias written through implicit special methods, torch dispatch, and calls the rules trust
     "alias5_del_of_holder": Toy(
         ("holder = WriteOnDel(cache)", _Q, "holder = None", _K, _V),
@@ -1637,6 +1669,11 @@ FIFTH_HAZARDS = {
     ),
     "alias5_isinstance_class_property": _alias5(
         "n = 2.0 if isinstance(cache, torch.Tensor) else 1.0", "Masked(args[0])",
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+    ),
+    "alias5_class_property_lies_to_narrowing": _alias5(
+        "n = 1.0\nif isinstance(cache, DynamicCache):\n    layers = cache.layers\n    n = 2.0",
+        "Liar(args[0])",
         ret="return q * n + torch.cat([k, v], dim=-1)",
     ),
     "alias5_torch_function_on_object": _alias5(
@@ -1660,7 +1697,23 @@ FIFTH_HAZARDS = {
     "alias5_autograd_function_dirty": _alias5("cache = Doubler.apply(cache)"),
     "alias5_data_setter": _alias5("cache.data = cache.data * 2.0"),
     # 3. a projection that `self.<proj>` does not reach, or a call that watches the projections
-    "ident5_class_attribute_shadows_module": _t5(_Q, _K, _V, members="    v_proj = nn.Linear(16, 8, bias=False)\n"),
+    "ident5_method_shadows_module": _t5(
+        _Q, _K, _V, members="    def v_proj(self, t):\n        return t[..., :8] * 2.0\n"
+    ),
+    "ident5_getattribute_swaps_projection": _t5(
+        _Q, _K, _V,
+        members=(
+            "    def __getattribute__(self, name):\n"
+            '        return super().__getattribute__("v_proj" if name == "k_proj" else name)\n'
+        ),
+    ),
+    "ident5_getattr_swaps_projection": _t5(
+        _Q, _K, _V,
+        members=(
+            "    def __getattr__(self, name):\n"
+            '        return super().__getattr__("v_proj" if name == "k_proj" else name)\n'
+        ),
+    ),
     "ident5_data_descriptor_on_class": _t5(_Q, _K, _V, members="    k_proj = DoubledProjection()\n"),
     "ident5_getattr_override": _t5(
         _Q, _K, _V,
@@ -1696,6 +1749,27 @@ FIFTH_HAZARDS = {
     "piece5_escape_partial": _escape5("self.later = functools.partial(lambda t: t, k)", hook="m.later().mul_(2.0)"),
     "piece5_escape_annotated_attribute": _escape5("self.seen: torch.Tensor = k"),
     "piece5_escape_augmented_list": _escape5("self.kept = []", "self.kept += [v]", hook="m.kept[-1].mul_(2.0)"),
+    "piece5_escape_setattr_on_held_object": Toy(
+        (_Q, _K, _V, 'setattr(self.box, "seen", k)'),
+        init="        self.box = types.SimpleNamespace()\n",
+        layer=_LAYER + "self.block.register_forward_hook(lambda m, args, out: [m.box.seen.mul_(2.0)] and None)",
+        extra=_H5_ALL + "import types\n",
+    ),
+    "piece5_escape_unbound_list_append": Toy(
+        (_Q, _K, _V, "list.append(self.store, v)"),
+        init="        self.store = []\n",
+        layer=_LAYER + "self.block.register_forward_hook(lambda m, args, out: [m.store[-1].mul_(2.0)] and None)",
+        extra=_H5_ALL,
+    ),
+    "piece5_escape_iterator_attribute": _escape5("self.it = iter((k,))", hook="next(m.it).mul_(2.0)"),
+    "piece5_escape_max_of_pieces": _escape5("self.seen = max([k], key=id)"),
+    "piece5_escape_through_identity_module": Toy(
+        (_Q, _K, _V, "self.seen = self.same(k)"),
+        init="        self.same = nn.Identity()\n",
+        layer=_LAYER + "self.block.register_forward_hook(lambda m, args, out: [m.seen.mul_(2.0)] and None)",
+        extra=_H5_ALL,
+    ),
+    "piece5_escape_through_eval_dropout": _escape5("self.seen = F.dropout(k, 0.5, False)"),
     "piece5_escape_to_caller_list": Toy(
         (_Q, _K, _V, "sink.append(k)"),
         layer=_LAYER
@@ -1721,9 +1795,6 @@ FIFTH_SAFE = {
     "alias5_star_of_shape": _t5(_Q, "dims = [*x.shape]", _K, _V, ret="return q * len(dims) + torch.cat([k, v], dim=-1)"),
     "alias5_isinstance_of_input": _t5(
         _Q, "n = 2.0 if isinstance(x, torch.Tensor) else 1.0", _K, _V, ret="return q * n + torch.cat([k, v], dim=-1)"
-    ),
-    "alias5_str_format_of_shape": _t5(
-        _Q, 'tag = "{}".format(x.shape[0])', _K, _V, ret="return q * len(tag) + torch.cat([k, v], dim=-1)"
     ),
     "alias5_leaky_relu_out_of_place": Toy(
         (_Q, "z = F.leaky_relu(y, 3.0, False)", _K, _V),

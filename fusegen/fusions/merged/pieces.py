@@ -26,6 +26,7 @@ written in place. The original's projection outputs were independent, contiguous
 from __future__ import annotations
 
 import ast
+import builtins
 import inspect
 import types
 
@@ -97,6 +98,8 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
             return True
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in parameters:
             return True  # a method of an object the caller handed in (`sink.append(k)`): the caller keeps it
+        if _keeping_builtin(func, namespace, local):
+            return True  # `list.append(self.store, k)`, `setattr(box, "k", k)`: Python code that stores its operand
         if self_attr(func):
             child = getattr(module, func.attr, None) if module is not None else None
             if isinstance(child, nn.Module) and not module_effect_free(child):
@@ -107,6 +110,24 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
             if user and not region_rules.effect_free(resolved):
                 return True
     return False
+
+
+def _keeping_builtin(func: ast.expr, namespace: dict, local: set[str]) -> bool:
+    """Is `func` a builtin function or method descriptor outside torch that is not on the pure list: one that may
+    store what it is handed somewhere that outlives the forward (`list.append`, `dict.update`, `setattr`)?"""
+    if not isinstance(func, (ast.Name, ast.Attribute)):
+        return False
+    resolved = lookup.resolve_dotted(func, namespace, local)
+    if resolved is lookup.UNRESOLVED and isinstance(func, ast.Attribute):
+        owner = lookup.resolve_dotted(func.value, namespace, local)  # `list.append`: a method taken from its class
+        resolved = inspect.getattr_static(owner, func.attr, None) if isinstance(owner, type) else None
+    builtin_kinds = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+    if not isinstance(resolved, builtin_kinds):
+        return False
+    module = getattr(resolved, "__module__", None) or getattr(getattr(resolved, "__objclass__", None), "__module__", "")
+    if (module or "").split(".")[0] == "torch":
+        return False
+    return not (getattr(builtins, resolved.__name__, None) is resolved and resolved.__name__ in vocabulary.PURE_BUILTINS)
 
 
 def _stores(node: ast.AST) -> list[tuple[list[ast.expr], ast.expr]]:
@@ -137,11 +158,39 @@ def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]
         return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(expr.body))
     if isinstance(expr, (ast.Tuple, ast.List)):
         return any(_carries(e, tracked, namespace, local) for e in expr.elts)
-    if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):
-        resolved = lookup.resolve_dotted(expr.func, namespace, local)
-        if isinstance(resolved, type) and not (resolved.__module__ or "").startswith("torch"):
-            operands = [*expr.args, *(keyword.value for keyword in expr.keywords)]
-            return any(_carries(operand, tracked, namespace, local) for operand in operands)
+    if isinstance(expr, ast.Call):
+        # a call handed a piece may return it, or hold it in what it returns (`max([k])`, `iter((k,))`, an
+        # `nn.Identity`, `F.dropout(k, p, False)`, a record class): only torch code known to allocate does not
+        operands = [*expr.args, *(keyword.value for keyword in expr.keywords)]
+        if isinstance(expr.func, ast.Attribute):
+            operands.append(expr.func.value)
+        if not any(_carries(operand, tracked, namespace, local) for operand in operands):
+            return False
+        return not _allocates(expr, namespace, local)
+    return False
+
+
+_ALLOCATING_TORCH = vocabulary.FRESH_TORCH | {
+    "cat", "concat", "concatenate", "stack", "matmul", "mm", "bmm", "baddbmm", "einsum", "linear", "softmax", "add",
+    "sub", "mul", "div", "where", "scaled_dot_product_attention", "repeat_interleave",
+}  # fmt: skip
+"""Torch functions and tensor methods whose result is new storage whatever they are handed (no alias of an
+operand, also for one operand: `torch.cat([k])` copies)."""
+
+
+def _allocates(call: ast.Call, namespace: dict, local: set[str]) -> bool:
+    """Is `call` a torch function or a tensor method in `_ALLOCATING_TORCH` (or `FRESH_METHODS`)?"""
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr in vocabulary.FRESH_METHODS | _ALLOCATING_TORCH:
+        resolved = lookup.resolve_dotted(func, namespace, local)
+        if resolved is lookup.UNRESOLVED:
+            return not self_attr(func)  # `k.clone()`, `q.matmul(k)`: a method of a tensor, by name
+        module = getattr(resolved, "__module__", None) or ""
+        return module.split(".")[0] == "torch" and getattr(resolved, "__name__", "") == func.attr
+    if isinstance(func, ast.Name):
+        resolved = lookup.resolve_dotted(func, namespace, local)
+        module = getattr(resolved, "__module__", None) or ""
+        return module.split(".")[0] == "torch" and getattr(resolved, "__name__", "") in _ALLOCATING_TORCH
     return False
 
 

@@ -462,8 +462,10 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
 
 # --- implicit calls ---------------------------------------------------------------------------------------------
 
-_QUIET_BUILTINS = frozenset({"type", "id", "isinstance", "issubclass", "callable"})
-"""Builtins that run no special method of what they are handed (`isinstance` reads the class, not the object)."""
+_QUIET_BUILTINS = frozenset({"type", "id", "callable"})
+"""Builtins that run no special method of what they are handed. Not `isinstance`: when the object's type is not a
+subclass it reads `obj.__class__`, which a property can make user code (and `issubclass`/`isinstance` run a
+metaclass's `__subclasscheck__`/`__instancecheck__`)."""
 
 _CONSTANT_TYPES = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), range, slice, torch.dtype,
                    torch.device, torch.Size, torch.memory_format, torch.layout, torch.Tensor, types.ModuleType,
@@ -682,6 +684,7 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             )
 
     calls_func = {id(node.func) for node in dataflow.region_nodes(region) if isinstance(node, ast.Call)}
+    rebound = _rebound_names(funcdef, parent_of)
     for node in dataflow.region_nodes(region):
         if isinstance(node, (ast.BinOp, ast.AugAssign)):
             pair = (node.left, node.right) if isinstance(node, ast.BinOp) else (node.target, node.value)
@@ -712,6 +715,26 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             found = getattr(node, keys)
             for key in found if isinstance(found, list) else [found]:
                 yield from operand(node, key, "hashes")
+            if isinstance(node, ast.Dict):  # `{**m}` lists `m`'s keys and reads its items
+                for key, value in zip(node.keys, node.values):
+                    if key is None:
+                        yield from operand(node, value, "unpacks")
+        elif isinstance(node, ast.keyword) and node.arg is None:  # `f(**m)`: the same
+            yield from operand(node, node.value, "unpacks")
+        elif isinstance(node, ast.Raise):
+            for made in (node.exc, node.cause):  # `raise E` makes `E()`: its `__init__` runs
+                if isinstance(made, (ast.Name, ast.Attribute)) and not _builtin_exception(made, namespace, local):
+                    yield Refused("implicit-call", f"`{ast.unparse(node)}` makes an exception of a class not Python's",
+                                  node)  # fmt: skip
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) and node.id not in known:
+            if isinstance(node.ctx, ast.Del) or node.id in rebound:
+                yield Refused(
+                    "implicit-call",
+                    f"`{node.id}` is {'deleted' if isinstance(node.ctx, ast.Del) else 'rebound'} in the region: the "
+                    "value it held may be collected, and its `__del__`, a weakref finalizer or a generator's "
+                    "`finally` run",
+                    node,
+                )
         elif isinstance(node, ast.Match):
             yield from operand(node, node.subject, "matches")
         elif isinstance(node, ast.FormattedValue):
@@ -736,6 +759,48 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
                 for argument in (*node.args, *(k.value for k in node.keywords)):
                     if not isinstance(argument, ast.GeneratorExp):  # its parts are nodes of the region, judged here
                         yield from operand(node, argument, "hands a builtin")
+            elif _torch_dispatching(node, resolved, tensors):
+                # a torch function or tensor method calls `__torch_function__` of any argument that defines it
+                for argument in (*node.args, *(k.value for k in node.keywords)):
+                    if not isinstance(argument, (ast.GeneratorExp, ast.Lambda)):
+                        yield from operand(node, argument, "hands torch")
+
+
+def _rebound_names(funcdef: ast.FunctionDef, parent_of: dict) -> set[str]:
+    """Names a store may rebind while they hold a value: bound more than once in the forward, bound in a loop, or a
+    parameter. (A name bound once, outside loops, drops no value when bound.) Comprehension variables are left out:
+    they hold items of an iterable that still holds them, and an iterable that is not known is refused itself."""
+    counts: dict[str, int] = {arg.arg: 1 for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
+    looped: set[str] = set()
+    comprehended = {
+        name for node in walk(funcdef) if isinstance(node, ast.comprehension) for name in dataflow.bound_names(node.target)
+    }
+    for node in walk(funcdef):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            counts[node.id] = counts.get(node.id, 0) + 1
+            current = parent_of.get(node)
+            while current is not None and current is not funcdef:
+                if isinstance(current, (ast.For, ast.AsyncFor, ast.While)):
+                    looped.add(node.id)
+                current = parent_of.get(current)
+    return ({name for name, count in counts.items() if count > 1} | looped) - comprehended
+
+
+def _builtin_exception(expr: ast.expr, namespace: dict, local: set[str]) -> bool:
+    """Does `expr` name one of Python's exception classes (whose `__init__` runs no user code)?"""
+    resolved = lookup.resolve_dotted(expr, namespace, local)
+    return isinstance(resolved, type) and issubclass(resolved, BaseException) and resolved.__module__ == "builtins"
+
+
+def _torch_dispatching(call: ast.Call, resolved: object, tensors: set[str]) -> bool:
+    """Is `call` a torch function or a method of a known tensor (which hand their arguments to `__torch_function__`)?
+    Not a projection or submodule call (`self.<child>(...)`, judged by the other rules)."""
+    if self_attr(call.func):
+        return False
+    if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id in tensors:
+        return True
+    module = getattr(resolved, "__module__", None) or ""
+    return callable(resolved) and not isinstance(resolved, type) and module.split(".")[0] == "torch"
 
 
 def local_lambdas(funcdef: ast.FunctionDef, namespace: dict, local: set[str]) -> dict[str, types.FunctionType]:
@@ -972,6 +1037,17 @@ def effect_free(function: types.FunctionType, seen: set | None = None) -> bool:
         for instruction in dis.get_instructions(code)
         if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
     }
+    # what the code reads besides globals: its closure cells (a `functools.singledispatch` function calls what its
+    # `dispatch` cell finds in a registry) and its default values; judged as a global holding them would be
+    held = [*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()]
+    for cell in function.__closure__ or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:
+            return False  # an empty cell: filled later, by code not seen here
+    for value in held:
+        if not _held_value_ok(value, seen):
+            return False
     for name in loaded:  # the globals and builtins the code reads (attribute names are judged above)
         if name in function.__globals__:
             value = function.__globals__[name]
@@ -998,6 +1074,22 @@ def effect_free(function: types.FunctionType, seen: set | None = None) -> bool:
     return True
 
 
+def _held_value_ok(value: object, seen: set) -> bool:
+    """May an effect-free function hold `value` in a closure cell or a default: a constant, a module of torch,
+    `math` or `operator`, an effect-free function, a pure torch callable, or a tensor, number or string class?"""
+    if isinstance(value, (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)):
+        return True
+    if isinstance(value, tuple):
+        return all(_held_value_ok(item, seen) for item in value)
+    if inspect.ismodule(value):
+        return value.__name__.split(".")[0] in ("torch", "math", "operator", "typing")
+    if isinstance(value, types.FunctionType):
+        return effect_free(value, seen)
+    if isinstance(value, type):
+        return issubclass(value, (torch.Tensor, int, float, tuple, str, bool))
+    return callable(value) and (lookup.is_functional(value) or lookup.is_pure_torch(value))
+
+
 def _codes(code: types.CodeType):
     yield code
     for const in code.co_consts:
@@ -1018,6 +1110,7 @@ def check_projection_identity(funcdef, region, projections, module, namespace, l
     linear where there were several."""
     inside = {id(node) for node in dataflow.region_nodes(region)}
     cls = type(module)
+    yield from _shadowed_projections(cls, projections, funcdef)
     for node in (node for stmt in funcdef.body for node in walk(stmt)):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
             if node.attr in SELF_REFLECTION:
@@ -1064,6 +1157,27 @@ def check_projection_identity(funcdef, region, projections, module, namespace, l
                     "projection-identity", f"`{ast.unparse(node)}` hands the module to a method the analysis cannot "
                     "read (it may reach a projection by name)", node,
                 )  # fmt: skip
+
+
+def _shadowed_projections(cls: type, projections: set[str], funcdef: ast.FunctionDef):
+    """Refuse when `self.<proj>` may not reach the registered projection: `nn.Module` keeps children in `_modules`
+    and finds them through `__getattr__`, which Python calls only when ordinary lookup fails. A class attribute of
+    the same name anywhere in the MRO (a class-level module, a method, a descriptor) is found first, and a class that
+    overrides `__getattr__` or `__getattribute__` decides itself what the name returns. Then the original calls
+    something the merged linear does not compute."""
+    for name in sorted(projections):
+        if inspect.getattr_static(cls, name, None) is not None:
+            yield Refused(
+                "projection-identity", f"`{cls.__name__}.{name}` is a class attribute: `self.{name}` reads it, "
+                "not the registered linear", funcdef,
+            )  # fmt: skip
+    if getattr(cls, "__getattr__", None) is not nn.Module.__getattr__ or cls.__getattribute__ is not (
+        object.__getattribute__
+    ):
+        yield Refused(
+            "projection-identity", f"`{cls.__name__}` overrides attribute lookup: `self.<proj>` may not be the linear",
+            funcdef,
+        )
 
 
 def _unreadable_method(func: ast.expr, resolved: object, namespace: dict, local: set[str]) -> bool:
