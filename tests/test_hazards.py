@@ -1599,9 +1599,7 @@ def _t5(*body: str, ret: str = "return q + torch.cat([k, v], dim=-1)", **kw) -> 
 
 def _alias5(line: str, holder: str = "args[0]", ret: str = "return q + torch.cat([k, v], dim=-1)") -> Toy:
     """`cache` is the caller's `holder` of the input; `line` runs between q and k."""
-    return Toy(
-        (_Q, line, _K, _V), layer=_LAYER + _pair(holder), signature="x, cache=None", ret=ret, extra=_H5_ALL
-    )
+    return Toy((_Q, line, _K, _V), layer=_LAYER + _pair(holder), signature="x, cache=None", ret=ret, extra=_H5_ALL)
 
 
 def _escape5(*lines: str, hook: str = "m.seen.mul_(2.0)", signature: str = "x") -> Toy:
@@ -1622,7 +1620,13 @@ FIFTH_HAZARDS = {
         "SEEN.clear()", "sys.setprofile(count_linears)", _Q, _K, _V, "sys.setprofile(None)", ret=_COUNTED
     ),
     "ctx5_settrace_counts_linears": _t5(
-        "SEEN.clear()", "was = sys.gettrace()", "sys.settrace(count_linears)", _Q, _K, _V, "sys.settrace(was)",
+        "SEEN.clear()",
+        "was = sys.gettrace()",
+        "sys.settrace(count_linears)",
+        _Q,
+        _K,
+        _V,
+        "sys.settrace(was)",
         ret=_COUNTED,
     ),
     "ctx5_del_by_rebinding": _t5("a, b = FlipOnDel(), FlipOnDel()", _Q, "a = None", _K, "b = None", _V),
@@ -1641,15 +1645,18 @@ FIFTH_HAZARDS = {
         "g, h = flip_when_closed(), flip_when_closed()", "next(g)", "next(h)", _Q, "g = None", _K, "h = None", _V
     ),
     "ctx5_raise_makes_exception": _t5(
-        _Q, "try:\n    raise FlipRaised\nexcept FlipRaised:\n    pass", _K,
-        "try:\n    raise FlipRaised\nexcept FlipRaised:\n    pass", _V,
+        _Q,
+        "try:\n    raise FlipRaised\nexcept FlipRaised:\n    pass",
+        _K,
+        "try:\n    raise FlipRaised\nexcept FlipRaised:\n    pass",
+        _V,
     ),
     "ctx5_inference_mode_guard_object": _t5(_Q, "guard = torch._C._InferenceMode(True)", _K, "del guard", _V),
-    "ctx5_module_level_partial": _t5("was = torch.is_grad_enabled()", _Q, "QUIET()", _K, "LOUD() if was else None", _V),
-    "ctx5_singledispatch": _t5(_Q, "note(1.0)", _K, "note(2.0)", _V),
-    "ctx5_chained_comparison": _t5(
-        _TOGGLE, _Q, "ok = 2 == x.shape[0] == sw", _K, "ok = 2 == x.shape[0] == sw", _V
+    "ctx5_module_level_partial": _t5(
+        "was = torch.is_grad_enabled()", _Q, "QUIET()", _K, "LOUD() if was else None", _V
     ),
+    "ctx5_singledispatch": _t5(_Q, "note(1.0)", _K, "note(2.0)", _V),
+    "ctx5_chained_comparison": _t5(_TOGGLE, _Q, "ok = 2 == x.shape[0] == sw", _K, "ok = 2 == x.shape[0] == sw", _V),
     "ctx5_global_hook_table_item_store": _t5(
         _Q,
         "torch.nn.modules.module._global_forward_hooks[-5] = double_plain_linears",
@@ -1659,16 +1666,23 @@ FIFTH_HAZARDS = {
     ),
     "ctx5_nested_def_flips": _t5("def quiet():\n    _flip()", _Q, "quiet()", _K, "quiet()", _V),
     "ctx5_grad_switch_in_conditional_expression": _t5(
-        "keep = torch.is_grad_enabled()", _Q, "torch._C._set_grad_enabled(False) if keep else None", _K,
-        "torch._C._set_grad_enabled(keep)", _V,
+        "keep = torch.is_grad_enabled()",
+        _Q,
+        "torch._C._set_grad_enabled(False) if keep else None",
+        _K,
+        "torch._C._set_grad_enabled(keep)",
+        _V,
     ),
     # 2. the caller's alias written through implicit special methods, torch dispatch, and calls the rules trust
     "alias5_del_of_holder": Toy(
         ("holder = WriteOnDel(cache)", _Q, "holder = None", _K, _V),
-        layer=_LAYER + _pair("args[0]"), signature="x, cache=None", extra=_H5_ALL,
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, cache=None",
+        extra=_H5_ALL,
     ),
     "alias5_isinstance_class_property": _alias5(
-        "n = 2.0 if isinstance(cache, torch.Tensor) else 1.0", "Masked(args[0])",
+        "n = 2.0 if isinstance(cache, torch.Tensor) else 1.0",
+        "Masked(args[0])",
         ret="return q * n + torch.cat([k, v], dim=-1)",
     ),
     "alias5_class_property_lies_to_narrowing": _alias5(
@@ -1701,14 +1715,18 @@ FIFTH_HAZARDS = {
         _Q, _K, _V, members="    def v_proj(self, t):\n        return t[..., :8] * 2.0\n"
     ),
     "ident5_getattribute_swaps_projection": _t5(
-        _Q, _K, _V,
+        _Q,
+        _K,
+        _V,
         members=(
             "    def __getattribute__(self, name):\n"
             '        return super().__getattribute__("v_proj" if name == "k_proj" else name)\n'
         ),
     ),
     "ident5_getattr_swaps_projection": _t5(
-        _Q, _K, _V,
+        _Q,
+        _K,
+        _V,
         members=(
             "    def __getattr__(self, name):\n"
             '        return super().__getattr__("v_proj" if name == "k_proj" else name)\n'
@@ -1716,7 +1734,9 @@ FIFTH_HAZARDS = {
     ),
     "ident5_data_descriptor_on_class": _t5(_Q, _K, _V, members="    k_proj = DoubledProjection()\n"),
     "ident5_getattr_override": _t5(
-        _Q, _K, _V,
+        _Q,
+        _K,
+        _V,
         members=(
             "    def __getattr__(self, name):\n"
             "        found = super().__getattr__(name)\n"
@@ -1724,7 +1744,9 @@ FIFTH_HAZARDS = {
         ),
     ),
     "ident5_getattribute_override": _t5(
-        _Q, _K, _V,
+        _Q,
+        _K,
+        _V,
         members=(
             "    def __getattribute__(self, name):\n"
             "        found = super().__getattribute__(name)\n"
@@ -1732,8 +1754,12 @@ FIFTH_HAZARDS = {
         ),
     ),
     # 4. pieces whose storage shows, written in place, or carried out by spellings the earlier batches do not use
-    "piece5_storage_offset": _t5(_Q, _K, _V, "w = float(k.storage_offset()) + 1.0", ret="return q * w + torch.cat([k, v], dim=-1)"),
-    "piece5_is_view": _t5(_Q, _K, _V, "w = 2.0 if k._is_view() else 1.0", ret="return q * w + torch.cat([k, v], dim=-1)"),
+    "piece5_storage_offset": _t5(
+        _Q, _K, _V, "w = float(k.storage_offset()) + 1.0", ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
+    "piece5_is_view": _t5(
+        _Q, _K, _V, "w = 2.0 if k._is_view() else 1.0", ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
     "piece5_detach_in_place": _t5(_Q, _K, _V, "k.detach_()"),
     "piece5_escape_for_target": _escape5("for self.seen in (k,):\n    pass"),
     "piece5_escape_with_target": _escape5("with contextlib.nullcontext(k) as self.seen:\n    pass"),
@@ -1786,13 +1812,18 @@ FIFTH_SAFE = {
     "ctx5_rebinding_a_tensor_to_none": _t5("tmp = x.sum()", _Q, "tmp = None", _K, _V),
     "ctx5_del_of_a_tensor": _t5("tmp = x * 2.0", _Q, "del tmp", _K, _V),
     "ctx5_try_finally_pure": _t5(
-        _Q, "try:\n    n = x.shape[0]\nfinally:\n    m = 1.0", _K, _V,
+        _Q,
+        "try:\n    n = x.shape[0]\nfinally:\n    m = 1.0",
+        _K,
+        _V,
         ret="return q * (n * m) + torch.cat([k, v], dim=-1)",
     ),
     "ctx5_chained_comparison_of_ints": _t5(
         _Q, "ok = 0 < x.shape[0] < 100", _K, _V, ret="return q * (2.0 if ok else 1.0) + torch.cat([k, v], dim=-1)"
     ),
-    "alias5_star_of_shape": _t5(_Q, "dims = [*x.shape]", _K, _V, ret="return q * len(dims) + torch.cat([k, v], dim=-1)"),
+    "alias5_star_of_shape": _t5(
+        _Q, "dims = [*x.shape]", _K, _V, ret="return q * len(dims) + torch.cat([k, v], dim=-1)"
+    ),
     "alias5_isinstance_of_input": _t5(
         _Q, "n = 2.0 if isinstance(x, torch.Tensor) else 1.0", _K, _V, ret="return q * n + torch.cat([k, v], dim=-1)"
     ),
@@ -1804,7 +1835,12 @@ FIFTH_SAFE = {
         extra=_H5_ALL,
     ),
     "alias5_inplace_on_new_empty": _t5(
-        _Q, "z = x.new_empty(x.shape)", "z.copy_(x)", "z.mul_(2.0)", _K, _V,
+        _Q,
+        "z = x.new_empty(x.shape)",
+        "z.copy_(x)",
+        "z.mul_(2.0)",
+        _K,
+        _V,
         ret="return q + torch.cat([k, v], dim=-1) + z",
     ),
     "alias5_augassign_on_zeros_like": _t5(

@@ -72,6 +72,7 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
     local = dataflow.local_names(funcdef)
     declared = {n for node in walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
     parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
+    typed = region_rules.transformers_typed(funcdef, namespace)
     for node in walk(funcdef):
         if isinstance(node, ast.Return) and node.value is not None and _carries(node.value, tracked, namespace, local):
             return True
@@ -96,8 +97,13 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
         func = node.func
         if _into_held_object(func, namespace, local, module):
             return True
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in parameters:
-            return True  # a method of an object the caller handed in (`sink.append(k)`): the caller keeps it
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id in parameters - typed
+            and func.attr in _KEEPING_METHODS
+        ):
+            return True  # a container the caller handed in (`sink.append(k)`): the caller keeps what it holds
         if _keeping_builtin(func, namespace, local):
             return True  # `list.append(self.store, k)`, `setattr(box, "k", k)`: Python code that stores its operand
         if self_attr(func):
@@ -112,6 +118,15 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
     return False
 
 
+_KEEPING_METHODS = frozenset(
+    {"append", "extend", "insert", "add", "setdefault", "appendleft", "extendleft", "put", "put_nowait", "push",
+     "__setitem__"}
+)  # fmt: skip
+"""Methods of Python's containers that keep what they are handed. On a parameter not typed as a Transformers
+object they carry a piece to the caller. (`update` is left out: an untyped `layer_past.update(k, v)` is a cache's,
+trusted as unresolved callees are; a caller's dict updated with a piece is not caught.)"""
+
+
 def _keeping_builtin(func: ast.expr, namespace: dict, local: set[str]) -> bool:
     """Is `func` a builtin function or method descriptor outside torch that is not on the pure list: one that may
     store what it is handed somewhere that outlives the forward (`list.append`, `dict.update`, `setattr`)?"""
@@ -124,10 +139,14 @@ def _keeping_builtin(func: ast.expr, namespace: dict, local: set[str]) -> bool:
     builtin_kinds = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
     if not isinstance(resolved, builtin_kinds):
         return False
-    module = getattr(resolved, "__module__", None) or getattr(getattr(resolved, "__objclass__", None), "__module__", "")
+    module = getattr(resolved, "__module__", None) or getattr(
+        getattr(resolved, "__objclass__", None), "__module__", ""
+    )
     if (module or "").split(".")[0] == "torch":
         return False
-    return not (getattr(builtins, resolved.__name__, None) is resolved and resolved.__name__ in vocabulary.PURE_BUILTINS)
+    return not (
+        getattr(builtins, resolved.__name__, None) is resolved and resolved.__name__ in vocabulary.PURE_BUILTINS
+    )
 
 
 def _stores(node: ast.AST) -> list[tuple[list[ast.expr], ast.expr]]:

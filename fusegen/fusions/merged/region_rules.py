@@ -685,6 +685,7 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
 
     calls_func = {id(node.func) for node in dataflow.region_nodes(region) if isinstance(node, ast.Call)}
     rebound = _rebound_names(funcdef, parent_of)
+    earlier = _bindings_in_order(funcdef)
     for node in dataflow.region_nodes(region):
         if isinstance(node, (ast.BinOp, ast.AugAssign)):
             pair = (node.left, node.right) if isinstance(node, ast.BinOp) else (node.target, node.value)
@@ -727,7 +728,7 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
                     yield Refused("implicit-call", f"`{ast.unparse(node)}` makes an exception of a class not Python's",
                                   node)  # fmt: skip
         elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) and node.id not in known:
-            if isinstance(node.ctx, ast.Del) or node.id in rebound:
+            if _may_drop_unknown(node, rebound, earlier, parent_of, known, module, namespace, local):
                 yield Refused(
                     "implicit-call",
                     f"`{node.id}` is {'deleted' if isinstance(node.ctx, ast.Del) else 'rebound'} in the region: the "
@@ -766,14 +767,17 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
                         yield from operand(node, argument, "hands torch")
 
 
-def _rebound_names(funcdef: ast.FunctionDef, parent_of: dict) -> set[str]:
-    """Names a store may rebind while they hold a value: bound more than once in the forward, bound in a loop, or a
-    parameter. (A name bound once, outside loops, drops no value when bound.) Comprehension variables are left out:
+def _rebound_names(funcdef: ast.FunctionDef, parent_of: dict) -> tuple[set[str], set[str]]:
+    """Names a store may rebind while they hold a value: those bound more than once in the forward (a parameter
+    counts as bound), and those bound in a loop. (A name bound once, outside loops, drops no value when bound.) Comprehension variables are left out:
     they hold items of an iterable that still holds them, and an iterable that is not known is refused itself."""
     counts: dict[str, int] = {arg.arg: 1 for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
     looped: set[str] = set()
     comprehended = {
-        name for node in walk(funcdef) if isinstance(node, ast.comprehension) for name in dataflow.bound_names(node.target)
+        name
+        for node in walk(funcdef)
+        if isinstance(node, ast.comprehension)
+        for name in dataflow.bound_names(node.target)
     }
     for node in walk(funcdef):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
@@ -783,7 +787,68 @@ def _rebound_names(funcdef: ast.FunctionDef, parent_of: dict) -> set[str]:
                 if isinstance(current, (ast.For, ast.AsyncFor, ast.While)):
                     looped.add(node.id)
                 current = parent_of.get(current)
-    return ({name for name, count in counts.items() if count > 1} | looped) - comprehended
+    return {name for name, count in counts.items() if count > 1} - comprehended, looped - comprehended
+
+
+def _bindings_in_order(funcdef: ast.FunctionDef) -> dict[str, list[tuple]]:
+    """Each name's bindings: source position, the value bound (None when not a plain assignment), the target node."""
+    found: dict[str, list] = {}
+    for targets, value in dataflow.bindings(funcdef):
+        for target in targets:
+            plain = isinstance(target, ast.Name)
+            for node in walk(target):
+                if isinstance(node, ast.Name):
+                    found.setdefault(node.id, []).append(
+                        ((node.lineno, node.col_offset), value if plain else None, node)
+                    )
+    for node in walk(funcdef):
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.withitem)):
+            target = node.target if not isinstance(node, ast.withitem) else node.optional_vars
+            for name in walk(target) if target is not None else ():
+                if isinstance(name, ast.Name):
+                    found.setdefault(name.id, []).append(((name.lineno, name.col_offset), None, name))
+    return found
+
+
+def _may_drop_unknown(node: ast.Name, rebound: tuple, earlier: dict, parent_of, known, module, namespace, local):
+    """May the store or `del` at `node` drop the last reference to a value not known to be plain (`known_names`)?
+    A `del` always may. A store may when the name is bound in a loop and not known, or when a binding of it that comes
+    earlier in the source binds something not proven known: outside loops only an earlier binding can reach the
+    store. A parameter's first rebinding drops nothing the caller does not still hold (its call passes the
+    argument, and keeps it, until forward returns)."""
+    if isinstance(node.ctx, ast.Del):
+        return True
+    bound_again, looped = rebound
+    if node.id not in bound_again | looped:
+        return False
+    position = (node.lineno, node.col_offset)
+    if node.id in looped:
+        return True
+    before = [
+        value
+        for where, value, binding in earlier.get(node.id, [])
+        if where < position and not _other_branch(binding, node, parent_of)
+    ]
+    return not all(value is not None and _known(value, known, module, namespace, local) for value in before)
+
+
+def _other_branch(binding: ast.AST, store: ast.AST, parent_of: dict) -> bool:
+    """Are `binding` and `store` in different branches of one `if` (so, with no loop around, the binding cannot
+    reach the store)?"""
+    branch_of = {}
+    child, current = store, parent_of.get(store)
+    while current is not None:
+        if isinstance(current, ast.If):
+            branch_of[id(current)] = any(child is stmt for stmt in current.body)
+        child, current = current, parent_of.get(current)
+    child, current = binding, parent_of.get(binding)
+    while current is not None:
+        if isinstance(current, ast.If) and id(current) in branch_of:
+            in_body = any(child is stmt for stmt in current.body)
+            in_test = child is current.test
+            return not in_test and in_body != branch_of[id(current)]
+        child, current = current, parent_of.get(current)
+    return False
 
 
 def _builtin_exception(expr: ast.expr, namespace: dict, local: set[str]) -> bool:
@@ -797,7 +862,11 @@ def _torch_dispatching(call: ast.Call, resolved: object, tensors: set[str]) -> b
     Not a projection or submodule call (`self.<child>(...)`, judged by the other rules)."""
     if self_attr(call.func):
         return False
-    if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id in tensors:
+    if (
+        isinstance(call.func, ast.Attribute)
+        and isinstance(call.func.value, ast.Name)
+        and call.func.value.id in tensors
+    ):
         return True
     module = getattr(resolved, "__module__", None) or ""
     return callable(resolved) and not isinstance(resolved, type) and module.split(".")[0] == "torch"
@@ -1175,7 +1244,8 @@ def _shadowed_projections(cls: type, projections: set[str], funcdef: ast.Functio
         object.__getattribute__
     ):
         yield Refused(
-            "projection-identity", f"`{cls.__name__}` overrides attribute lookup: `self.<proj>` may not be the linear",
+            "projection-identity",
+            f"`{cls.__name__}` overrides attribute lookup: `self.<proj>` may not be the linear",
             funcdef,
         )
 
