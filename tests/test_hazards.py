@@ -1694,7 +1694,7 @@ FIFTH_HAZARDS = {
         "z = torch.sum(cache)", "Hijack(args[0])", ret="return q * z + torch.cat([k, v], dim=-1)"
     ),
     "alias5_star_in_list": _alias5("items = [*cache]", "Sly(args[0])"),
-    "alias5_star_in_call": _alias5("n = max(*cache, 0)", "Sly(args[0])"),
+    "alias5_star_in_call": _alias5("n = max(0, 1, *cache)", "Sly(args[0])"),
     "alias5_starred_target": _alias5("*items, = cache", "Sly(args[0])"),
     "alias5_dict_unpacking": _alias5("d = {**cache}", "Mappy(args[0])"),
     "alias5_str_format_method": _alias5('tag = "{}".format(cache)', "Sly(args[0])"),
