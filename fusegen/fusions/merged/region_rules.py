@@ -1156,6 +1156,9 @@ def _held_value_ok(value: object, seen: set) -> bool:
         return effect_free(value, seen)
     if isinstance(value, type):
         return issubclass(value, (torch.Tensor, int, float, tuple, str, bool))
+    if (type(value).__module__ or "").split(".")[0] == "torch":
+        # torch's own objects (the `no_grad()` a decorated forward's wrapper holds), trusted as torch's functions are
+        return True
     return callable(value) and (lookup.is_functional(value) or lookup.is_pure_torch(value))
 
 
