@@ -1486,22 +1486,463 @@ FOURTH_SAFE = {
 }
 
 
-HAZARD_BATCHES = {"third": NEW_HAZARDS, "fourth": FOURTH_HAZARDS}
-SAFE_BATCHES = {"third": NEW_SAFE, "fourth": FOURTH_SAFE}
+# --- fifth batch: the same families, spelled through Python semantics the earlier batches leave alone --------------
+#
+# Judged as the third and fourth batches are (`fusegen.tools.oracle.verdict`). The module-level code (`_H5`, after the
+# fourth batch's helpers) holds: profile and trace functions that count `nn.Linear.forward` calls, objects whose
+# `__del__`, weakref finalizer, generator `finally` or exception `__init__` switch grad mode, a `__class__` property,
+# a `__torch_function__` on a plain object and a mapping whose special methods write what they hold, a module-level
+# `functools.partial` and `singledispatch` function that switch grad mode, a data descriptor and a class-level module
+# that shadow a registered projection, and a context variable that carries a piece out of forward.
+
+_H5 = '''
+import contextvars
+import weakref
+
+from transformers import DynamicCache
+
+SEEN = []
+LAST_PIECE = contextvars.ContextVar("LAST_PIECE")
+QUIET = functools.partial(torch._C._set_grad_enabled, False)
+LOUD = functools.partial(torch._C._set_grad_enabled, True)
 
 
-def _batch_cases(batches: dict, slow: tuple[str, ...] = ()) -> list:
+def count_linears(frame, event, arg):
+    """A profile or trace function: counts the calls of `nn.Linear.forward`."""
+    if event == "call" and frame.f_code is nn.Linear.forward.__code__:
+        SEEN.append(1)
+    return None
+
+
+class FlipOnDel:
+    """Flips grad mode (`_flip`) when it is collected."""
+
+    def __del__(self):
+        _flip()
+
+
+class Anchor:
+    """A plain object a weakref finalizer can watch."""
+
+
+class FlipRaised(Exception):
+    """Flips grad mode when it is made (a bare `raise FlipRaised` makes it)."""
+
+    def __init__(self, *args):
+        _flip()
+        super().__init__(*args)
+
+
+def flip_when_closed():
+    """A generator whose `finally` flips grad mode when it is closed or collected."""
+    try:
+        yield 1
+    finally:
+        _flip()
+
+
+@functools.singledispatch
+def note(value):
+    return 0
+
+
+@note.register
+def _(value: float):
+    _flip()
+    return 1
+
+
+class WriteOnDel:
+    """Holds a tensor; doubles it in place when it is collected."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __del__(self):
+        self.t.mul_(2.0)
+
+
+class Masked:
+    """Holds a tensor; reading its `__class__` (as `isinstance` does) doubles the tensor in place."""
+
+    def __init__(self, t):
+        self.t = t
+
+    @property
+    def __class__(self):
+        self.t.mul_(2.0)
+        return Masked
+
+
+class Liar:
+    """Holds a tensor; says its class is `DynamicCache` (`__class__`), and reading `layers` doubles the tensor."""
+
+    def __init__(self, t):
+        self.t = t
+
+    @property
+    def __class__(self):
+        return DynamicCache
+
+    @property
+    def layers(self):
+        self.t.mul_(2.0)
+        return []
+
+
+class Hijack:
+    """Holds a tensor; any torch function handed it doubles the tensor in place (`__torch_function__`)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for a in args:
+            if isinstance(a, Hijack):
+                a.t.mul_(2.0)
+        return torch.tensor(1.0)
+
+
+class Mappy:
+    """Holds a tensor; listing its keys (`{**m}`, `dict(m)`) doubles the tensor in place."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def keys(self):
+        self.t.mul_(2.0)
+        return []
+
+    def __getitem__(self, key):
+        return 0
+
+
+class Doubler(torch.autograd.Function):
+    """Doubles its argument in place (marked dirty)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.mark_dirty(t)
+        return t.mul_(2.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
+class DoubledProjection:
+    """A data descriptor on the block's class: `self.k_proj` reads the registered linear, doubled."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        linear = obj._modules["k_proj"]
+        return lambda t: linear(t) * 2.0
+
+    def __set__(self, obj, value):
+        obj._modules["k_proj"] = value
+'''
+
+_H5_ALL = _F + _H5
+
+
+def _t5(*body: str, ret: str = "return q + torch.cat([k, v], dim=-1)", **kw) -> Toy:
+    return Toy(body, ret=ret, extra=_H5_ALL, **kw)
+
+
+def _alias5(line: str, holder: str = "args[0]", ret: str = "return q + torch.cat([k, v], dim=-1)") -> Toy:
+    """`cache` is the caller's `holder` of the input; `line` runs between q and k."""
+    return Toy((_Q, line, _K, _V), layer=_LAYER + _pair(holder), signature="x, cache=None", ret=ret, extra=_H5_ALL)
+
+
+def _escape5(*lines: str, hook: str = "m.seen.mul_(2.0)", signature: str = "x") -> Toy:
+    """A piece carried out of forward by `lines` (after v); the block's forward hook `hook` writes it afterwards."""
+    return Toy(
+        (_Q, _K, _V, *lines),
+        layer=_LAYER + f"self.block.register_forward_hook(lambda m, args, out: [{hook}] and None)",
+        signature=signature,
+        extra=_H5_ALL,
+    )
+
+
+_COUNTED = "return q * float(len(SEEN)) + torch.cat([k, v], dim=-1)"
+
+FIFTH_HAZARDS = {
+    # 1. ambient state switched with no call in the region, or by a call the rules do not name
+    "ctx5_setprofile_counts_linears": _t5(
+        "SEEN.clear()", "sys.setprofile(count_linears)", _Q, _K, _V, "sys.setprofile(None)", ret=_COUNTED
+    ),
+    "ctx5_settrace_counts_linears": _t5(
+        "SEEN.clear()",
+        "was = sys.gettrace()",
+        "sys.settrace(count_linears)",
+        _Q,
+        _K,
+        _V,
+        "sys.settrace(was)",
+        ret=_COUNTED,
+    ),
+    "ctx5_del_by_rebinding": _t5("a, b = FlipOnDel(), FlipOnDel()", _Q, "a = None", _K, "b = None", _V),
+    "ctx5_del_statement": _t5("a = FlipOnDel()", "b = FlipOnDel()", _Q, "del a", _K, "del b", _V),
+    "ctx5_weakref_finalize": _t5(
+        "a, b = Anchor(), Anchor()",
+        "weakref.finalize(a, _flip)",
+        "weakref.finalize(b, _flip)",
+        _Q,
+        "a = 0",
+        _K,
+        "b = 0",
+        _V,
+    ),
+    "ctx5_generator_finally": _t5(
+        "g, h = flip_when_closed(), flip_when_closed()", "next(g)", "next(h)", _Q, "g = None", _K, "h = None", _V
+    ),
+    "ctx5_raise_makes_exception": _t5(
+        _Q,
+        "try:\n    raise FlipRaised\nexcept FlipRaised:\n    pass",
+        _K,
+        "try:\n    raise FlipRaised\nexcept FlipRaised:\n    pass",
+        _V,
+    ),
+    "ctx5_inference_mode_guard_object": _t5(_Q, "guard = torch._C._InferenceMode(True)", _K, "del guard", _V),
+    "ctx5_module_level_partial": _t5(
+        "was = torch.is_grad_enabled()", _Q, "QUIET()", _K, "LOUD() if was else None", _V
+    ),
+    "ctx5_singledispatch": _t5(_Q, "note(1.0)", _K, "note(2.0)", _V),
+    "ctx5_chained_comparison": _t5(_TOGGLE, _Q, "ok = 2 == x.shape[0] == sw", _K, "ok = 2 == x.shape[0] == sw", _V),
+    "ctx5_global_hook_table_item_store": _t5(
+        _Q,
+        "torch.nn.modules.module._global_forward_hooks[-5] = double_plain_linears",
+        _K,
+        _V,
+        "del torch.nn.modules.module._global_forward_hooks[-5]",
+    ),
+    "ctx5_nested_def_flips": _t5("def quiet():\n    _flip()", _Q, "quiet()", _K, "quiet()", _V),
+    "ctx5_grad_switch_in_conditional_expression": _t5(
+        "keep = torch.is_grad_enabled()",
+        _Q,
+        "torch._C._set_grad_enabled(False) if keep else None",
+        _K,
+        "torch._C._set_grad_enabled(keep)",
+        _V,
+    ),
+    # 2. the caller's alias written through implicit special methods, torch dispatch, and calls the rules trust
+    "alias5_del_of_holder": Toy(
+        ("holder = WriteOnDel(cache)", _Q, "holder = None", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, cache=None",
+        extra=_H5_ALL,
+    ),
+    "alias5_isinstance_class_property": _alias5(
+        "n = 2.0 if isinstance(cache, torch.Tensor) else 1.0",
+        "Masked(args[0])",
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+    ),
+    "alias5_class_property_lies_to_narrowing": _alias5(
+        "n = 1.0\nif isinstance(cache, DynamicCache):\n    layers = cache.layers\n    n = 2.0",
+        "Liar(args[0])",
+        ret="return q * n + torch.cat([k, v], dim=-1)",
+    ),
+    "alias5_torch_function_on_object": _alias5(
+        "z = torch.sum(cache)", "Hijack(args[0])", ret="return q * z + torch.cat([k, v], dim=-1)"
+    ),
+    "alias5_star_in_list": _alias5("items = [*cache]", "Sly(args[0])"),
+    "alias5_star_in_call": _alias5("n = max(0, 1, *cache)", "Sly(args[0])"),
+    "alias5_starred_target": _alias5("*items, = cache", "Sly(args[0])"),
+    "alias5_dict_unpacking": _alias5("d = {**cache}", "Mappy(args[0])"),
+    "alias5_str_format_method": _alias5('tag = "{}".format(cache)', "Sly(args[0])"),
+    "alias5_str_join_iterates": _alias5('tag = "-".join(cache)', "Sly(args[0])"),
+    "alias5_any_iterates": _alias5("n = any(cache)", "Sly(args[0])"),
+    "alias5_sorted_iterates": _alias5("s = sorted(cache)", "Sly(args[0])"),
+    "alias5_torch_tensor_of_sequence": _alias5(
+        "z = torch.tensor(cache)", "Sly(args[0])", ret="return q + torch.cat([k, v], dim=-1) + z.sum()"
+    ),
+    "alias5_vector_to_parameters": _alias5("torch.nn.utils.vector_to_parameters(torch.zeros(cache.numel()), [cache])"),
+    "alias5_aten_overload_in_place": _alias5("torch.ops.aten.mul_.Tensor(cache, torch.tensor(2.0))"),
+    "alias5_leaky_relu_positional_inplace": _alias5("F.leaky_relu(cache, 3.0, True)"),
+    "alias5_rrelu_positional_inplace": _alias5("F.rrelu(cache, 2.0, 4.0, False, True)"),
+    "alias5_autograd_function_dirty": _alias5("cache = Doubler.apply(cache)"),
+    "alias5_data_setter": _alias5("cache.data = cache.data * 2.0"),
+    # 3. a projection that `self.<proj>` does not reach, or a call that watches the projections
+    "ident5_method_shadows_module": _t5(
+        _Q, _K, _V, members="    def v_proj(self, t):\n        return t[..., :8] * 2.0\n"
+    ),
+    "ident5_getattribute_swaps_projection": _t5(
+        _Q,
+        _K,
+        _V,
+        members=(
+            "    def __getattribute__(self, name):\n"
+            '        return super().__getattribute__("v_proj" if name == "k_proj" else name)\n'
+        ),
+    ),
+    "ident5_getattr_swaps_projection": _t5(
+        _Q,
+        _K,
+        _V,
+        members=(
+            "    def __getattr__(self, name):\n"
+            '        return super().__getattr__("v_proj" if name == "k_proj" else name)\n'
+        ),
+    ),
+    "ident5_data_descriptor_on_class": _t5(_Q, _K, _V, members="    k_proj = DoubledProjection()\n"),
+    "ident5_getattr_override": _t5(
+        _Q,
+        _K,
+        _V,
+        members=(
+            "    def __getattr__(self, name):\n"
+            "        found = super().__getattr__(name)\n"
+            '        return (lambda t: found(t) * 2.0) if name == "v_proj" else found\n'
+        ),
+    ),
+    "ident5_getattribute_override": _t5(
+        _Q,
+        _K,
+        _V,
+        members=(
+            "    def __getattribute__(self, name):\n"
+            "        found = super().__getattribute__(name)\n"
+            '        return (lambda t: found(t) * 2.0) if name == "k_proj" else found\n'
+        ),
+    ),
+    # 4. pieces whose storage shows, written in place, or carried out by spellings the earlier batches do not use
+    "piece5_storage_offset": _t5(
+        _Q, _K, _V, "w = float(k.storage_offset()) + 1.0", ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
+    "piece5_is_view": _t5(
+        _Q, _K, _V, "w = 2.0 if k._is_view() else 1.0", ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
+    "piece5_detach_in_place": _t5(_Q, _K, _V, "k.detach_()"),
+    "piece5_escape_for_target": _escape5("for self.seen in (k,):\n    pass"),
+    "piece5_escape_with_target": _escape5("with contextlib.nullcontext(k) as self.seen:\n    pass"),
+    "piece5_escape_tuple_target": _escape5("self.seen, self.other = k, v"),
+    "piece5_escape_instance_dict": _escape5('self.__dict__["seen"] = k'),
+    "piece5_escape_vars": _escape5('vars(self)["seen"] = v'),
+    "piece5_escape_object_setattr": _escape5('object.__setattr__(self, "seen", k)'),
+    "piece5_escape_context_variable": _escape5("LAST_PIECE.set(k)", hook="LAST_PIECE.get().mul_(2.0)"),
+    "piece5_escape_exception_args": _escape5(
+        "try:\n    raise ValueError(k)\nexcept ValueError as e:\n    self.err = e", hook="m.err.args[0].mul_(2.0)"
+    ),
+    "piece5_escape_lambda_default": _escape5("self.later = lambda t=v: t", hook="m.later().mul_(2.0)"),
+    "piece5_escape_partial": _escape5("self.later = functools.partial(lambda t: t, k)", hook="m.later().mul_(2.0)"),
+    "piece5_escape_annotated_attribute": _escape5("self.seen: torch.Tensor = k"),
+    "piece5_escape_augmented_list": _escape5("self.kept = []", "self.kept += [v]", hook="m.kept[-1].mul_(2.0)"),
+    "piece5_escape_setattr_on_held_object": Toy(
+        (_Q, _K, _V, 'setattr(self.box, "seen", k)'),
+        init="        self.box = types.SimpleNamespace()\n",
+        layer=_LAYER + "self.block.register_forward_hook(lambda m, args, out: [m.box.seen.mul_(2.0)] and None)",
+        extra=_H5_ALL + "import types\n",
+    ),
+    "piece5_escape_unbound_list_append": Toy(
+        (_Q, _K, _V, "list.append(self.store, v)"),
+        init="        self.store = []\n",
+        layer=_LAYER + "self.block.register_forward_hook(lambda m, args, out: [m.store[-1].mul_(2.0)] and None)",
+        extra=_H5_ALL,
+    ),
+    "piece5_escape_iterator_attribute": _escape5("self.it = iter((k,))", hook="next(m.it).mul_(2.0)"),
+    "piece5_escape_max_of_pieces": _escape5("self.seen = max([k], key=id)"),
+    "piece5_escape_through_identity_module": Toy(
+        (_Q, _K, _V, "self.seen = self.same(k)"),
+        init="        self.same = nn.Identity()\n",
+        layer=_LAYER + "self.block.register_forward_hook(lambda m, args, out: [m.seen.mul_(2.0)] and None)",
+        extra=_H5_ALL,
+    ),
+    "piece5_escape_through_eval_dropout": _escape5("self.seen = F.dropout(k, 0.5, False)"),
+    "piece5_escape_to_caller_list": Toy(
+        (_Q, _K, _V, "sink.append(k)"),
+        layer=_LAYER
+        + _pair("CACHE")
+        + "\n"
+        + _LAYER
+        + "self.block.register_forward_hook(lambda m, args, out: [CACHE[-1].mul_(2.0)] and None)",
+        signature="x, sink=None",
+        extra=_H5_ALL,
+    ),
+}
+
+FIFTH_SAFE = {
+    "ctx5_rebinding_a_tensor_to_none": _t5("tmp = x.sum()", _Q, "tmp = None", _K, _V),
+    "ctx5_del_of_a_tensor": _t5("tmp = x * 2.0", _Q, "del tmp", _K, _V),
+    "ctx5_try_finally_pure": _t5(
+        _Q,
+        "try:\n    n = x.shape[0]\nfinally:\n    m = 1.0",
+        _K,
+        _V,
+        ret="return q * (n * m) + torch.cat([k, v], dim=-1)",
+    ),
+    "ctx5_chained_comparison_of_ints": _t5(
+        _Q, "ok = 0 < x.shape[0] < 100", _K, _V, ret="return q * (2.0 if ok else 1.0) + torch.cat([k, v], dim=-1)"
+    ),
+    "alias5_star_of_shape": _t5(
+        _Q, "dims = [*x.shape]", _K, _V, ret="return q * len(dims) + torch.cat([k, v], dim=-1)"
+    ),
+    "alias5_isinstance_of_input": _t5(
+        _Q, "n = 2.0 if isinstance(x, torch.Tensor) else 1.0", _K, _V, ret="return q * n + torch.cat([k, v], dim=-1)"
+    ),
+    "alias5_leaky_relu_out_of_place": Toy(
+        (_Q, "z = F.leaky_relu(y, 3.0, False)", _K, _V),
+        layer=_LAYER + _pair("args[0]"),
+        signature="x, y: torch.Tensor",
+        ret="return q + torch.cat([k, v], dim=-1) + z",
+        extra=_H5_ALL,
+    ),
+    "alias5_inplace_on_new_empty": _t5(
+        _Q,
+        "z = x.new_empty(x.shape)",
+        "z.copy_(x)",
+        "z.mul_(2.0)",
+        _K,
+        _V,
+        ret="return q + torch.cat([k, v], dim=-1) + z",
+    ),
+    "alias5_augassign_on_zeros_like": _t5(
+        _Q, "acc = torch.zeros_like(x)", "acc += x", _K, _V, ret="return q + torch.cat([k, v], dim=-1) + acc"
+    ),
+    "piece5_storage_offset_of_input": _t5(
+        _Q, _K, _V, "w = float(x.storage_offset()) + 1.0", ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
+    "piece5_detach_out_of_place": _t5(_Q, _K, _V, "k = k.detach()"),
+    "piece5_clone_escapes_for_target": _escape5("for self.seen in (k.clone(),):\n    pass"),
+    "ident5_class_attribute_plain_number": _t5(
+        _Q, _K, _V, "w = self.scale", members="    scale = 2.0\n", ret="return q * w + torch.cat([k, v], dim=-1)"
+    ),
+}
+
+
+HAZARD_BATCHES = {"third": NEW_HAZARDS, "fourth": FOURTH_HAZARDS, "fifth": FIFTH_HAZARDS}
+SAFE_BATCHES = {"third": NEW_SAFE, "fourth": FOURTH_SAFE, "fifth": FIFTH_SAFE}
+
+
+KNOWN_GAPS = {
+    "alias5_isinstance_class_property": "isinstance reads a __class__ property (region_rules._QUIET_BUILTINS)",
+    "alias5_class_property_lies_to_narrowing": "isinstance narrowing trusts a __class__ property",
+}
+"""Hazards of the fifth batch that still miscompile with validation off: a fix refuses roformer's and xlm's q/k/v, so
+it waits for a decision (strict xfail: the test fails once the gap is closed, to be moved out of here)."""
+
+
+def _batch_cases(batches: dict, slow: tuple[str, ...] = (), gaps: dict | None = None) -> list:
     """One parameter per case of every batch, id `<batch>_batch-<name>` (`-k fourth_batch` picks a batch); the
-    batches named in `slow` are marked slow."""
+    batches named in `slow` are marked slow, the cases in `gaps` strict xfail."""
+    gaps = gaps or {}
+
+    def marks(batch, name):
+        found = [pytest.mark.slow] * (batch in slow)
+        if name in gaps:
+            found.append(pytest.mark.xfail(reason=gaps[name], strict=True))
+        return found
+
     return [
-        pytest.param(cases[name], name, id=f"{batch}_batch-{name}", marks=[pytest.mark.slow] * (batch in slow))
+        pytest.param(cases[name], name, id=f"{batch}_batch-{name}", marks=marks(batch, name))
         for batch, cases in batches.items()
         for name in sorted(cases)
     ]
 
 
-# the fourth batch's 96 hazards, each built and, when fused, run under 8 modes: minutes, past the fast suite's bar
-@pytest.mark.parametrize(("toy", "name"), _batch_cases(HAZARD_BATCHES, slow=("fourth",)))
+# the fourth and fifth batches, each case built and, when fused, run under 8 modes: minutes, past the fast suite's bar
+@pytest.mark.parametrize(("toy", "name"), _batch_cases(HAZARD_BATCHES, slow=("fourth", "fifth"), gaps=KNOWN_GAPS))
 def test_batch_hazard_is_refused_or_sound(case_path, toy, name):
     verdict = _verdict(case_path, write_toy(case_path, name, toy), name, validate=False)
     assert verdict in ("refused", "sound"), verdict

@@ -27,6 +27,7 @@ written in place. The original's projection outputs were independent, contiguous
 from __future__ import annotations
 
 import ast
+import builtins
 import inspect
 import types
 
@@ -71,16 +72,22 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
     """Is a piece whose possible aliases are `tracked` stored away, returned, or handed to unproven code?"""
     local = dataflow.local_names(funcdef)
     declared = {n for node in walk(funcdef) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+    parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
+    typed = region_rules.transformers_typed(funcdef, namespace)
     for node in walk(funcdef):
         if isinstance(node, ast.Return) and node.value is not None and _carries(node.value, tracked, namespace, local):
             return True
-        stored = isinstance(node, ast.Assign) and any(
-            isinstance(t, (ast.Attribute, ast.Subscript)) or (isinstance(t, ast.Name) and t.id in declared)
-            for target in node.targets
-            for t in walk(target)
-        )
-        if stored and _carries(node.value, tracked, namespace, local):
+        # an exception carries what it was made with to whoever catches it: a handler, or the caller
+        if isinstance(node, ast.Raise) and any(_holds(e, tracked) for e in walk(node) if isinstance(e, ast.expr)):
             return True
+        for targets, value in _stores(node):
+            stored = any(
+                isinstance(t, (ast.Attribute, ast.Subscript)) or (isinstance(t, ast.Name) and t.id in declared)
+                for target in targets
+                for t in walk(target)
+            )
+            if stored and _carries(value, tracked, namespace, local):
+                return True
         if _captures(node, tracked, funcdef):
             return True
         if not isinstance(node, ast.Call):
@@ -91,6 +98,15 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
         func = node.func
         if _into_held_object(func, namespace, local, module):
             return True
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id in parameters - typed
+            and func.attr in _KEEPING_METHODS
+        ):
+            return True  # a container the caller handed in (`sink.append(k)`): the caller keeps what it holds
+        if _keeping_builtin(func, namespace, local):
+            return True  # `list.append(self.store, k)`, `setattr(box, "k", k)`: Python code that stores its operand
         if self_attr(func):
             child = getattr(module, func.attr, None) if module is not None else None
             if isinstance(child, nn.Module) and not module_effect_free(child):
@@ -103,9 +119,56 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
     return False
 
 
+_KEEPING_METHODS = frozenset(
+    {"append", "extend", "insert", "add", "setdefault", "appendleft", "extendleft", "put", "put_nowait", "push",
+     "__setitem__"}
+)  # fmt: skip
+"""Methods of Python's containers that keep what they are handed. On a parameter not typed as a Transformers
+object they carry a piece to the caller. (`update` is left out: an untyped `layer_past.update(k, v)` is a cache's,
+trusted as unresolved callees are; a caller's dict updated with a piece is not caught.)"""
+
+
+def _keeping_builtin(func: ast.expr, namespace: dict, local: set[str]) -> bool:
+    """Is `func` a builtin function or method descriptor outside torch that is not on the pure list: one that may
+    store what it is handed somewhere that outlives the forward (`list.append`, `dict.update`, `setattr`)?"""
+    if not isinstance(func, (ast.Name, ast.Attribute)):
+        return False
+    resolved = lookup.resolve_dotted(func, namespace, local)
+    if resolved is lookup.UNRESOLVED and isinstance(func, ast.Attribute):
+        owner = lookup.resolve_dotted(func.value, namespace, local)  # `list.append`: a method taken from its class
+        resolved = inspect.getattr_static(owner, func.attr, None) if isinstance(owner, type) else None
+    builtin_kinds = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+    if not isinstance(resolved, builtin_kinds):
+        return False
+    module = getattr(resolved, "__module__", None) or getattr(
+        getattr(resolved, "__objclass__", None), "__module__", ""
+    )
+    if (module or "").split(".")[0] == "torch":
+        return False
+    return not (
+        getattr(builtins, resolved.__name__, None) is resolved and resolved.__name__ in vocabulary.PURE_BUILTINS
+    )
+
+
+def _stores(node: ast.AST) -> list[tuple[list[ast.expr], ast.expr]]:
+    """The (targets, value) pairs `node` stores: an assignment (plain, annotated, augmented), a `for` target (each item
+    of the iterable, so the iterable stands for the value), a `with ... as` target (what the manager's `__enter__`
+    returns: `nullcontext(k)` returns `k`, so the manager expression stands for the value)."""
+    if isinstance(node, ast.Assign):
+        return [(node.targets, node.value)]
+    if isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+        return [([node.target], node.value)]
+    if isinstance(node, (ast.For, ast.AsyncFor)):
+        return [([node.target], node.iter)]
+    if isinstance(node, (ast.With, ast.AsyncWith)):
+        return [([item.optional_vars], item.context_expr) for item in node.items if item.optional_vars is not None]
+    return []
+
+
 def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]) -> bool:
-    """Could the value of `expr` carry one of `tracked` out of sight: `_holds`, or a dict or set holding one, or a record
-    made by a class handed one (`KV(k, v)`, a dataclass), or a lambda reading one."""
+    """Could the value of `expr` carry one of `tracked` out of sight: `_holds`, or a container holding one, or what a
+    call handed one returns (a record class `KV(k, v)`, `max([k])`; only torch code known to allocate is exempt), or
+    a lambda, generator or comprehension reading one."""
     if _holds(expr, tracked):
         return True
     if isinstance(expr, (ast.Dict, ast.Set, ast.List, ast.Tuple, ast.Starred, ast.NamedExpr, ast.IfExp)):
@@ -116,11 +179,39 @@ def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]
     if isinstance(expr, (ast.Lambda, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)):
         # a lambda's body or defaults, a generator's or comprehension's iterables and elements: read when it runs
         return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(expr))
-    if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):
-        resolved = lookup.resolve_dotted(expr.func, namespace, local)
-        if isinstance(resolved, type) and not (resolved.__module__ or "").startswith("torch"):
-            operands = [*expr.args, *(keyword.value for keyword in expr.keywords)]
-            return any(_carries(operand, tracked, namespace, local) for operand in operands)
+    if isinstance(expr, ast.Call):
+        # a call handed a piece may return it, or hold it in what it returns (`max([k])`, `iter((k,))`, an
+        # `nn.Identity`, `F.dropout(k, p, False)`, a record class): only torch code known to allocate does not
+        operands = [*expr.args, *(keyword.value for keyword in expr.keywords)]
+        if isinstance(expr.func, ast.Attribute):
+            operands.append(expr.func.value)
+        if not any(_carries(operand, tracked, namespace, local) for operand in operands):
+            return False
+        return not _allocates(expr, namespace, local)
+    return False
+
+
+_ALLOCATING_TORCH = vocabulary.FRESH_TORCH | {
+    "cat", "concat", "concatenate", "stack", "matmul", "mm", "bmm", "baddbmm", "einsum", "linear", "softmax", "add",
+    "sub", "mul", "div", "where", "scaled_dot_product_attention", "repeat_interleave",
+}  # fmt: skip
+"""Torch functions and tensor methods whose result is new storage whatever they are handed (no alias of an
+operand, also for one operand: `torch.cat([k])` copies)."""
+
+
+def _allocates(call: ast.Call, namespace: dict, local: set[str]) -> bool:
+    """Is `call` a torch function or a tensor method in `_ALLOCATING_TORCH` (or `FRESH_METHODS`)?"""
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr in vocabulary.FRESH_METHODS | _ALLOCATING_TORCH:
+        resolved = lookup.resolve_dotted(func, namespace, local)
+        if resolved is lookup.UNRESOLVED:
+            return not self_attr(func)  # `k.clone()`, `q.matmul(k)`: a method of a tensor, by name
+        module = getattr(resolved, "__module__", None) or ""
+        return module.split(".")[0] == "torch" and getattr(resolved, "__name__", "") == func.attr
+    if isinstance(func, ast.Name):
+        resolved = lookup.resolve_dotted(func, namespace, local)
+        module = getattr(resolved, "__module__", None) or ""
+        return module.split(".")[0] == "torch" and getattr(resolved, "__name__", "") in _ALLOCATING_TORCH
     return False
 
 
@@ -131,12 +222,8 @@ def _captures(node: ast.AST, tracked: set[str], funcdef: ast.FunctionDef) -> boo
         node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.GeneratorExp)
     ):  # fmt: skip
         return False
-    if isinstance(node, ast.GeneratorExp):  # a generator holds its first iterable until it is exhausted
-        return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(node))
-    body = [node.body] if isinstance(node, ast.Lambda) else node.body
-    # a default value (`lambda t=k: t`, `def later(t=k)`) is kept by the function as its body's names are
-    defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
-    return any(isinstance(n, ast.Name) and n.id in tracked for stmt in [*body, *defaults] for n in walk(stmt))
+    # the whole definition: its body's free names, and its default values and decorators, which it keeps or runs
+    return any(isinstance(n, ast.Name) and n.id in tracked for n in walk(node))
 
 
 def _into_held_object(func: ast.expr, namespace: dict, local: set[str], module) -> bool:

@@ -476,7 +476,14 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
 
 _QUIET_BUILTINS = frozenset({"type", "id", "isinstance", "issubclass", "callable", "is_", "is_not"})
 """Builtins and `operator` functions that run no special method of what they are handed (`isinstance` reads the
-class, not the object; `operator.is_` compares identity)."""
+class, not the object; `operator.is_` compares identity).
+
+Known gap, kept by decision: when the object's type is not a subclass, `isinstance` reads `obj.__class__`, which a
+property can make user code that lies about the class (tests/test_hazards.py, `alias5_isinstance_class_property`,
+`alias5_class_property_lies_to_narrowing`: strict xfail with validation off; validation refuses both). Judging it as
+other builtins are refuses roformer's and xlm's q/k/v (`isinstance(cache, EncoderDecoderCache)` on an untyped
+`cache`). The analysis already takes a caller's object to be what its annotation says (a typed parameter is
+trusted); an object whose `__class__` claims a Transformers class is taken at its word the same way."""
 
 _CONSTANT_TYPES = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), range, slice, torch.dtype,
                    torch.device, torch.Size, torch.memory_format, torch.layout, torch.Tensor, types.ModuleType,
@@ -748,6 +755,8 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             )
 
     calls_func = {id(node.func) for node in dataflow.region_nodes(region) if isinstance(node, ast.Call)}
+    rebound = _rebound_names(funcdef, parent_of)
+    earlier = _bindings_in_order(funcdef)
     for node in dataflow.region_nodes(region):
         if isinstance(node, (ast.BinOp, ast.AugAssign)):
             pair = (node.left, node.right) if isinstance(node, ast.BinOp) else (node.target, node.value)
@@ -778,6 +787,26 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             found = getattr(node, keys)
             for key in found if isinstance(found, list) else [found]:
                 yield from operand(node, key, "hashes")
+            if isinstance(node, ast.Dict):  # `{**m}` lists `m`'s keys and reads its items
+                for key, value in zip(node.keys, node.values):
+                    if key is None:
+                        yield from operand(node, value, "unpacks")
+        elif isinstance(node, ast.keyword) and node.arg is None:  # `f(**m)`: the same
+            yield from operand(node, node.value, "unpacks")
+        elif isinstance(node, ast.Raise):
+            for made in (node.exc, node.cause):  # `raise E` makes `E()`: its `__init__` runs
+                if isinstance(made, (ast.Name, ast.Attribute)) and not _builtin_exception(made, namespace, local):
+                    yield Refused("implicit-call", f"`{ast.unparse(node)}` makes an exception of a class not Python's",
+                                  node)  # fmt: skip
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) and node.id not in known:
+            if _may_drop_unknown(node, rebound, earlier, parent_of, known, module, namespace, local):
+                yield Refused(
+                    "implicit-call",
+                    f"`{node.id}` is {'deleted' if isinstance(node.ctx, ast.Del) else 'rebound'} in the region: the "
+                    "value it held may be collected, and its `__del__`, a weakref finalizer or a generator's "
+                    "`finally` run",
+                    node,
+                )
         elif isinstance(node, ast.Match):
             yield from operand(node, node.subject, "matches")
         elif isinstance(node, ast.FormattedValue):
@@ -810,6 +839,116 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
                         f"`{ast.unparse(node)}` calls `{ast.unparse(called)}`, which may be user code",
                         node,
                     )
+            elif _torch_dispatching(node, resolved, tensors):
+                # a torch function or tensor method calls `__torch_function__` of any argument that defines it
+                for argument in (*node.args, *(k.value for k in node.keywords)):
+                    if not isinstance(argument, (ast.GeneratorExp, ast.Lambda)):
+                        yield from operand(node, argument, "hands torch")
+
+
+def _rebound_names(funcdef: ast.FunctionDef, parent_of: dict) -> tuple[set[str], set[str]]:
+    """Names a store may rebind while they hold a value: those bound more than once in the forward (a parameter
+    counts as bound), and those bound in a loop. (A name bound once, outside loops, drops no value when bound.) Comprehension variables are left out:
+    they hold items of an iterable that still holds them, and an iterable that is not known is refused itself."""
+    counts: dict[str, int] = {arg.arg: 1 for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
+    looped: set[str] = set()
+    comprehended = {
+        name
+        for node in walk(funcdef)
+        if isinstance(node, ast.comprehension)
+        for name in dataflow.bound_names(node.target)
+    }
+    for node in walk(funcdef):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            counts[node.id] = counts.get(node.id, 0) + 1
+            current = parent_of.get(node)
+            while current is not None and current is not funcdef:
+                if isinstance(current, (ast.For, ast.AsyncFor, ast.While)):
+                    looped.add(node.id)
+                current = parent_of.get(current)
+    return {name for name, count in counts.items() if count > 1} - comprehended, looped - comprehended
+
+
+def _bindings_in_order(funcdef: ast.FunctionDef) -> dict[str, list[tuple]]:
+    """Each name's bindings: source position, the value bound (None when not a plain assignment), the target node."""
+    found: dict[str, list] = {}
+    for targets, value in dataflow.bindings(funcdef):
+        for target in targets:
+            plain = isinstance(target, ast.Name)
+            for node in walk(target):
+                if isinstance(node, ast.Name):
+                    found.setdefault(node.id, []).append(
+                        ((node.lineno, node.col_offset), value if plain else None, node)
+                    )
+    for node in walk(funcdef):
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.withitem)):
+            target = node.target if not isinstance(node, ast.withitem) else node.optional_vars
+            for name in walk(target) if target is not None else ():
+                if isinstance(name, ast.Name):
+                    found.setdefault(name.id, []).append(((name.lineno, name.col_offset), None, name))
+    return found
+
+
+def _may_drop_unknown(node: ast.Name, rebound: tuple, earlier: dict, parent_of, known, module, namespace, local):
+    """May the store or `del` at `node` drop the last reference to a value not known to be plain (`known_names`)?
+    A `del` always may. A store may when the name is bound in a loop and not known, or when a binding of it that comes
+    earlier in the source binds something not proven known: outside loops only an earlier binding can reach the
+    store. A parameter's first rebinding drops nothing the caller does not still hold (its call passes the
+    argument, and keeps it, until forward returns)."""
+    if isinstance(node.ctx, ast.Del):
+        return True
+    bound_again, looped = rebound
+    if node.id not in bound_again | looped:
+        return False
+    position = (node.lineno, node.col_offset)
+    if node.id in looped:
+        return True
+    before = [
+        value
+        for where, value, binding in earlier.get(node.id, [])
+        if where < position and not _other_branch(binding, node, parent_of)
+    ]
+    return not all(value is not None and _known(value, known, module, namespace, local) for value in before)
+
+
+def _other_branch(binding: ast.AST, store: ast.AST, parent_of: dict) -> bool:
+    """Are `binding` and `store` in different branches of one `if` (so, with no loop around, the binding cannot
+    reach the store)?"""
+    branch_of = {}
+    child, current = store, parent_of.get(store)
+    while current is not None:
+        if isinstance(current, ast.If):
+            branch_of[id(current)] = any(child is stmt for stmt in current.body)
+        child, current = current, parent_of.get(current)
+    child, current = binding, parent_of.get(binding)
+    while current is not None:
+        if isinstance(current, ast.If) and id(current) in branch_of:
+            in_body = any(child is stmt for stmt in current.body)
+            in_test = child is current.test
+            return not in_test and in_body != branch_of[id(current)]
+        child, current = current, parent_of.get(current)
+    return False
+
+
+def _builtin_exception(expr: ast.expr, namespace: dict, local: set[str]) -> bool:
+    """Does `expr` name one of Python's exception classes (whose `__init__` runs no user code)?"""
+    resolved = lookup.resolve_dotted(expr, namespace, local)
+    return isinstance(resolved, type) and issubclass(resolved, BaseException) and resolved.__module__ == "builtins"
+
+
+def _torch_dispatching(call: ast.Call, resolved: object, tensors: set[str]) -> bool:
+    """Is `call` a torch function or a method of a known tensor (which hand their arguments to `__torch_function__`)?
+    Not a projection or submodule call (`self.<child>(...)`, judged by the other rules)."""
+    if self_attr(call.func):
+        return False
+    if (
+        isinstance(call.func, ast.Attribute)
+        and isinstance(call.func.value, ast.Name)
+        and call.func.value.id in tensors
+    ):
+        return True
+    module = getattr(resolved, "__module__", None) or ""
+    return callable(resolved) and not isinstance(resolved, type) and module.split(".")[0] == "torch"
 
 
 def local_lambdas(funcdef: ast.FunctionDef, namespace: dict, local: set[str]) -> dict[str, types.FunctionType]:
@@ -1046,6 +1185,17 @@ def effect_free(function: types.FunctionType, seen: set | None = None) -> bool:
         for instruction in dis.get_instructions(code)
         if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
     }
+    # what the code reads besides globals: its closure cells (a `functools.singledispatch` function calls what its
+    # `dispatch` cell finds in a registry) and its default values; judged as a global holding them would be
+    held = [*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()]
+    for cell in function.__closure__ or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:
+            return False  # an empty cell: filled later, by code not seen here
+    for value in held:
+        if not _held_value_ok(value, seen):
+            return False
     for name in loaded:  # the globals and builtins the code reads (attribute names are judged above)
         if name in function.__globals__:
             value = function.__globals__[name]
@@ -1072,6 +1222,25 @@ def effect_free(function: types.FunctionType, seen: set | None = None) -> bool:
     return True
 
 
+def _held_value_ok(value: object, seen: set) -> bool:
+    """May an effect-free function hold `value` in a closure cell or a default: a constant, a module of torch,
+    `math` or `operator`, an effect-free function, a pure torch callable, or a tensor, number or string class?"""
+    if isinstance(value, (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)):
+        return True
+    if isinstance(value, tuple):
+        return all(_held_value_ok(item, seen) for item in value)
+    if inspect.ismodule(value):
+        return value.__name__.split(".")[0] in ("torch", "math", "operator", "typing")
+    if isinstance(value, types.FunctionType):
+        return effect_free(value, seen)
+    if isinstance(value, type):
+        return issubclass(value, (torch.Tensor, int, float, tuple, str, bool))
+    if (type(value).__module__ or "").split(".")[0] == "torch":
+        # torch's own objects (the `no_grad()` a decorated forward's wrapper holds), trusted as torch's functions are
+        return True
+    return callable(value) and (lookup.is_functional(value) or lookup.is_pure_torch(value))
+
+
 def _codes(code: types.CodeType):
     yield code
     for const in code.co_consts:
@@ -1092,6 +1261,7 @@ def check_projection_identity(funcdef, region, projections, module, namespace, l
     linear where there were several."""
     inside = {id(node) for node in dataflow.region_nodes(region)}
     cls = type(module)
+    yield from _shadowed_projections(cls, projections, funcdef)
     for node in (node for stmt in funcdef.body for node in walk(stmt)):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
             if node.attr in SELF_REFLECTION:
@@ -1138,6 +1308,28 @@ def check_projection_identity(funcdef, region, projections, module, namespace, l
                     "projection-identity", f"`{ast.unparse(node)}` hands the module to a method the analysis cannot "
                     "read (it may reach a projection by name)", node,
                 )  # fmt: skip
+
+
+def _shadowed_projections(cls: type, projections: set[str], funcdef: ast.FunctionDef):
+    """Refuse when `self.<proj>` may not reach the registered projection: `nn.Module` keeps children in `_modules`
+    and finds them through `__getattr__`, which Python calls only when ordinary lookup fails. A class attribute of
+    the same name anywhere in the MRO (a class-level module, a method, a descriptor) is found first, and a class that
+    overrides `__getattr__` or `__getattribute__` decides itself what the name returns. Then the original calls
+    something the merged linear does not compute."""
+    for name in sorted(projections):
+        if inspect.getattr_static(cls, name, None) is not None:
+            yield Refused(
+                "projection-identity", f"`{cls.__name__}.{name}` is a class attribute: `self.{name}` reads it, "
+                "not the registered linear", funcdef,
+            )  # fmt: skip
+    if getattr(cls, "__getattr__", None) is not nn.Module.__getattr__ or cls.__getattribute__ is not (
+        object.__getattribute__
+    ):
+        yield Refused(
+            "projection-identity",
+            f"`{cls.__name__}` overrides attribute lookup: `self.<proj>` may not be the linear",
+            funcdef,
+        )
 
 
 def _unreadable_method(func: ast.expr, resolved: object, namespace: dict, local: set[str]) -> bool:
