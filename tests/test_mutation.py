@@ -234,7 +234,9 @@ BRANCHES.update(
             also=frozenset({"region-call", "projection-identity"}),  # unproven call; a global hook registered, too
         ),
         "caller-alias: inplace passed by position": Branch(
-            "caller-alias", Toy((Q, "F.hardtanh(y, -0.1, 0.1, True)", K, V), layer=PAIR, signature="x, y", extra=_F)
+            "caller-alias",
+            Toy((Q, "F.hardtanh(y, -0.1, 0.1, True)", K, V), layer=PAIR, signature="x, y", extra=_F),
+            also=frozenset({"implicit-call"}),  # torch is handed `y`, not known to be a tensor, too
         ),
         "projection-identity: a class's method handed self": Branch(
             "projection-identity",
