@@ -848,8 +848,9 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
 
 def _rebound_names(funcdef: ast.FunctionDef, parent_of: dict) -> tuple[set[str], set[str]]:
     """Names a store may rebind while they hold a value: those bound more than once in the forward (a parameter
-    counts as bound), and those bound in a loop. (A name bound once, outside loops, drops no value when bound.) Comprehension variables are left out:
-    they hold items of an iterable that still holds them, and an iterable that is not known is refused itself."""
+    counts as bound), and those bound in a loop. (A name bound once, outside loops, drops no value when bound.)
+    Comprehension variables are left out: they hold items of an iterable that still holds them, and an iterable that
+    is not known is refused itself."""
     counts: dict[str, int] = {arg.arg: 1 for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
     looped: set[str] = set()
     comprehended = {
