@@ -266,22 +266,28 @@ def keeps_no_reference(call: ast.Call, tracked: set[str], module: nn.Module, nam
 
 
 def bindings(funcdef: ast.FunctionDef):
-    """(targets, value) for every way `funcdef` binds a name to a value."""
+    """(targets, value) for every way `funcdef` binds a name to a value (`node_bindings` of each of its nodes)."""
     for node in walk(funcdef):
-        if isinstance(node, ast.Assign):
-            yield node.targets, node.value
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:
-            yield [node.target], node.value
-        elif isinstance(node, (ast.For, ast.AsyncFor)):
-            yield [node.target], node.iter
-        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-            yield [node.optional_vars], node.context_expr
-        elif isinstance(node, ast.comprehension):
-            yield [node.target], node.iter
-        elif isinstance(node, ast.Match):
-            # every capture may be the subject or a part of it (`case w`, `case [w]`, `case Box(t=w)`)
-            captured = sorted(_captures(node))
-            yield [ast.Name(name, ast.Store()) for name in captured], node.subject
+        yield from node_bindings(node)
+
+
+def node_bindings(node: ast.AST) -> list[tuple[list[ast.expr], ast.expr]]:
+    """The (targets, value) pairs `node` itself binds: an assignment (plain, annotated, augmented, walrus); a `for`
+    or comprehension target (each item of the iterable, so the iterable stands for the value); a `with ... as`
+    target (what the manager's `__enter__` returns: `nullcontext(k)` returns `k`, so the manager expression stands
+    for the value); a `match` statement's captures (each may be the subject or a part of it: `case w`, `case [w]`,
+    `case Box(t=w)`)."""
+    if isinstance(node, ast.Assign):
+        return [(node.targets, node.value)]
+    if isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:
+        return [([node.target], node.value)]
+    if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+        return [([node.target], node.iter)]
+    if isinstance(node, ast.withitem) and node.optional_vars is not None:
+        return [([node.optional_vars], node.context_expr)]
+    if isinstance(node, ast.Match):
+        return [([ast.Name(name, ast.Store()) for name in sorted(_captures(node))], node.subject)]
+    return []
 
 
 def _captures(match: ast.Match) -> set[str]:

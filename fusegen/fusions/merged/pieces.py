@@ -80,7 +80,7 @@ def needs_own_storage(funcdef: ast.FunctionDef, tracked: set[str], module: nn.Mo
         # an exception carries what it was made with to whoever catches it: a handler, or the caller
         if isinstance(node, ast.Raise) and any(_holds(e, tracked) for e in walk(node) if isinstance(e, ast.expr)):
             return True
-        for targets, value in _stores(node):
+        for targets, value in dataflow.node_bindings(node):
             stored = any(
                 isinstance(t, (ast.Attribute, ast.Subscript)) or (isinstance(t, ast.Name) and t.id in declared)
                 for target in targets
@@ -148,21 +148,6 @@ def _keeping_builtin(func: ast.expr, namespace: dict, local: set[str]) -> bool:
     return not (
         getattr(builtins, resolved.__name__, None) is resolved and resolved.__name__ in vocabulary.PURE_BUILTINS
     )
-
-
-def _stores(node: ast.AST) -> list[tuple[list[ast.expr], ast.expr]]:
-    """The (targets, value) pairs `node` stores: an assignment (plain, annotated, augmented), a `for` target (each item
-    of the iterable, so the iterable stands for the value), a `with ... as` target (what the manager's `__enter__`
-    returns: `nullcontext(k)` returns `k`, so the manager expression stands for the value)."""
-    if isinstance(node, ast.Assign):
-        return [(node.targets, node.value)]
-    if isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
-        return [([node.target], node.value)]
-    if isinstance(node, (ast.For, ast.AsyncFor)):
-        return [([node.target], node.iter)]
-    if isinstance(node, (ast.With, ast.AsyncWith)):
-        return [([item.optional_vars], item.context_expr) for item in node.items if item.optional_vars is not None]
-    return []
 
 
 def _carries(expr: ast.expr, tracked: set[str], namespace: dict, local: set[str]) -> bool:
