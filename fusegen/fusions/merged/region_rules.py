@@ -243,13 +243,9 @@ def fresh_names(funcdef: ast.FunctionDef, module: nn.Module, namespace: dict, tr
             for name in dataflow.bound_names(target) if target is not None else ():
                 bindings.setdefault(name, []).append(None)
     candidates = set(bindings) - parameters - declared - {"self"}
-    # a parameter annotated as a tensor is one (the annotation is trusted, as in `tensor_names`): `y.clone()`,
+    # a parameter annotated as a tensor is one (`tensor_annotated`, as in `tensor_names`): `y.clone()`,
     # `y + 1` are new storage; `y` itself never is (it is not a candidate)
-    tensors = set(tracked) | {
-        arg.arg
-        for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs)
-        if arg.annotation is not None and "Tensor" in ast.unparse(arg.annotation) and arg.arg not in declared
-    }
+    tensors = set(tracked) | tensor_annotated(funcdef)
     fresh = set(candidates)
     changed = True
     while changed:
@@ -1012,6 +1008,16 @@ def local_lambdas(funcdef: ast.FunctionDef, namespace: dict, local: set[str]) ->
     return found
 
 
+def tensor_annotated(funcdef: ast.FunctionDef) -> set[str]:
+    """Parameters annotated as tensors (`y: torch.Tensor`, `y: torch.Tensor | None`): what the caller hands is its
+    own, trusted to match the annotation."""
+    return {
+        arg.arg
+        for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs)
+        if arg.annotation is not None and "Tensor" in ast.unparse(arg.annotation)
+    }
+
+
 def tensor_names(funcdef, tracked, fresh, module, namespace, trusted=frozenset()) -> set[str]:
     """Local names that can only hold tensors (or tuples of them, or numbers): the input's aliases (a tensor's views),
     fresh storage, parameters annotated as tensors (what they hold is the caller's, trusted to match), and local
@@ -1021,9 +1027,7 @@ def tensor_names(funcdef, tracked, fresh, module, namespace, trusted=frozenset()
     (`key, value = shared_kv_states[kind]`) counts as tensors (`transformers_typed`, in `trusted`)."""
     names = set(tracked) | set(fresh) | set(trusted)
     parameters = {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}
-    for arg in (*funcdef.args.posonlyargs, *funcdef.args.args, *funcdef.args.kwonlyargs):
-        if arg.annotation is not None and "Tensor" in ast.unparse(arg.annotation):
-            names.add(arg.arg)
+    names |= tensor_annotated(funcdef)
     bindings: dict[str, list] = {}
     for targets, value in dataflow.bindings(funcdef):
         for target in targets:
