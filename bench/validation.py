@@ -14,6 +14,9 @@
    the build skips), median of 3, and what each check
    found (max abs logit difference, max relative gradient difference, eval/train/gradient checkpointing).
 3. The construction variants found for every checked-in generated file.
+
+Part 1 ends with what the garbage collector costs while the floor's modules import, with Python's threshold and with
+`fusegen`'s (`collector_cost`).
 """
 
 from __future__ import annotations
@@ -99,6 +102,39 @@ def build_cost(rounds: int, against: Path | None = None) -> None:
         )
 
 
+COLLECTOR_PROBE = (
+    """
+import gc, sys, time
+spent = [0, 0.0, 0.0]  # collections, CPU seconds, start of the running one
+def timing(phase, info):
+    if phase == "start":
+        spent[2] = time.process_time()
+    else:
+        spent[0] += 1
+        spent[1] += time.process_time() - spent[2]
+gc.callbacks.append(timing)
+if sys.argv[1] != "default":
+    gc.set_threshold(int(sys.argv[1]), *gc.get_threshold()[1:])
+"""
+    + FLOOR
+    + """
+print(spent[0], spent[1], time.process_time())
+"""
+)
+
+
+def collector_cost() -> None:
+    """What the garbage collector costs while the floor's modules import, in a fresh process each: with Python's
+    threshold and with the one every `fusegen` command sets (`fusegen.cli.YOUNG_THRESHOLD`)."""
+    from fusegen.cli import YOUNG_THRESHOLD
+
+    print("\n## the collector while the two modeling modules import (one fresh process each)")
+    for setting in ("default", str(YOUNG_THRESHOLD)):
+        done = subprocess.run([sys.executable, "-c", COLLECTOR_PROBE, setting], check=True, capture_output=True)
+        count, seconds, total = done.stdout.decode().split()
+        print(f"threshold {setting:8s}: {count} collections, {float(seconds):.2f} s CPU of {float(total):.2f} s")
+
+
 def in_process() -> None:
     from fusegen.compiler.build import build
     from fusegen.compiler.validate import validate
@@ -148,6 +184,7 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     build_cost(args.rounds, args.against.resolve() if args.against else None)
+    collector_cost()
     if not args.cost_only:
         in_process()
         variants()

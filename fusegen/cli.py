@@ -164,7 +164,7 @@ def sparse_young_collections():
     a build, allocates millions of short-lived ones (syntax trees, tensors, graphs). With the default threshold the
     collector ran some 900 times while `build llama qwen2` imported its modules, and its full collections walked
     the growing heap again and again: 0.75 s of the 3.9 s CPU that importing the two modeling modules takes
-    (`python -c "import gc; gc.callbacks.append(...)"`, docs/benchmarks.md). Reference counting frees nearly all of
+    (`python bench/validation.py --cost-only`, its collector lines; docs/benchmarks.md). Reference counting frees nearly all of
     those objects anyway; the collector still reclaims every cycle, only later (a young one after at most
     `YOUNG_THRESHOLD` more net allocations). Nothing a command computes or checks reads the collector, so no result
     changes; what it costs is the memory of cycles that wait longer to be reclaimed."""
