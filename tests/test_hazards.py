@@ -1915,34 +1915,18 @@ HAZARD_BATCHES = {"third": NEW_HAZARDS, "fourth": FOURTH_HAZARDS, "fifth": FIFTH
 SAFE_BATCHES = {"third": NEW_SAFE, "fourth": FOURTH_SAFE, "fifth": FIFTH_SAFE}
 
 
-KNOWN_GAPS = {
-    "alias5_isinstance_class_property": "isinstance reads a __class__ property (region_rules._QUIET_BUILTINS)",
-    "alias5_class_property_lies_to_narrowing": "isinstance narrowing trusts a __class__ property",
-}
-"""Hazards of the fifth batch that still miscompile with validation off: a fix refuses roformer's and xlm's q/k/v, so
-it waits for a decision (strict xfail: the test fails once the gap is closed, to be moved out of here)."""
-
-
-def _batch_cases(batches: dict, slow: tuple[str, ...] = (), gaps: dict | None = None) -> list:
+def _batch_cases(batches: dict, slow: tuple[str, ...] = ()) -> list:
     """One parameter per case of every batch, id `<batch>_batch-<name>` (`-k fourth_batch` picks a batch); the
-    batches named in `slow` are marked slow, the cases in `gaps` strict xfail."""
-    gaps = gaps or {}
-
-    def marks(batch, name):
-        found = [pytest.mark.slow] * (batch in slow)
-        if name in gaps:
-            found.append(pytest.mark.xfail(reason=gaps[name], strict=True))
-        return found
-
+    batches named in `slow` are marked slow."""
     return [
-        pytest.param(cases[name], name, id=f"{batch}_batch-{name}", marks=marks(batch, name))
+        pytest.param(cases[name], name, id=f"{batch}_batch-{name}", marks=[pytest.mark.slow] * (batch in slow))
         for batch, cases in batches.items()
         for name in sorted(cases)
     ]
 
 
 # the fourth and fifth batches, each case built and, when fused, run under 8 modes: minutes, past the fast suite's bar
-@pytest.mark.parametrize(("toy", "name"), _batch_cases(HAZARD_BATCHES, slow=("fourth", "fifth"), gaps=KNOWN_GAPS))
+@pytest.mark.parametrize(("toy", "name"), _batch_cases(HAZARD_BATCHES, slow=("fourth", "fifth")))
 def test_batch_hazard_is_refused_or_sound(case_path, toy, name):
     verdict = _verdict(case_path, write_toy(case_path, name, toy), name, validate=False)
     assert verdict in ("refused", "sound"), verdict

@@ -27,8 +27,14 @@ from fusegen.core.traced import Trace
 from fusegen.fusions.base import Kind
 from fusegen.fusions.merged.groups import linear_children, same_input_groups
 from fusegen.fusions.merged.live import check_projections, projection_findings
-from fusegen.fusions.merged.rewrite_cross import LINEAR_PIECES, rewrite_self_or_cross
-from fusegen.fusions.merged.rewrite_forward import differently_spelled, projection_calls, rewrite_forward
+from fusegen.fusions.merged.rewrite_cross import rewrite_self_or_cross
+from fusegen.fusions.merged.rewrite_forward import (
+    CLASS_IS_HONEST,
+    LINEAR_PIECES,
+    differently_spelled,
+    projection_calls,
+    rewrite_forward,
+)
 from fusegen.fusions.merged.rewrite_init import MERGED_LINEAR, check_no_other_uses, rewrite_init, same_block_groups
 from fusegen.fusions.merged.rewrite_nested import rewrite_forward_nested, rewrite_init_nested, spans_blocks
 from fusegen.fusions.merged.rules import RULE_IDS, RULES
@@ -43,7 +49,7 @@ _SUFFIX = re.compile(r"(_proj|_lin|_linear|_layer)$")
 class LinearKind(Kind):
     """A kind that merges some of the linears of one same-input group (see the module docstring)."""
 
-    runtime_names = frozenset({MERGED_LINEAR, LINEAR_PIECES})
+    runtime_names = frozenset({MERGED_LINEAR, LINEAR_PIECES, CLASS_IS_HONEST})
     family = "merged-linear"
     rules = RULES
 

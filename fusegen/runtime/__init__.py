@@ -9,6 +9,7 @@ from . import peft as _peft
 from .auto import register_fused_causal_lm
 from .auto import save_pretrained as save_pretrained_canonically
 from .checkpoint import MergedColumnConcatenate, MergedColumnSplit, build_stacked_converters
+from .claims import class_is_honest
 from .files import CheckpointError
 from .layout import RowLayout
 from .linear import MergedColumnLinear, linear_pieces, merged_piece
@@ -60,6 +61,7 @@ __all__ = [
     "build_stacked_converters",
     "check_loading",
     "check_source",
+    "class_is_honest",
     "fused_from_pretrained",
     "init_fused_parallel_plans",
     "linear_pieces",

@@ -674,8 +674,9 @@ def check_input_stable(
     module: nn.Module,
     namespace: dict,
     projection_calls: list[ast.Call],
-) -> None:
-    """Run every rule; raises `Refused` naming the first that fires.
+) -> frozenset[str]:
+    """Run every rule; raises `Refused` naming the first that fires, or returns the parameters whose class the region
+    trusts `isinstance` about (`rules.Claim`: the rewrite guards the merged call with `class_is_honest`, or refuses).
 
     The write, escape and capture rules see every name that may refer to the input's tensor: the names it was
     bound from (`sources`) and every alias of those (`aliases`). Rebinding is judged on the input's own names:
@@ -685,7 +686,7 @@ def check_input_stable(
     allocated = dataflow.allocated_names(funcdef)
     tracked = aliases(funcdef, sources(funcdef, names, module), module, namespace, exclude=allocated)
     local = local_names(funcdef)
-    raise_first(
+    return raise_first(
         itertools.chain(
             check_no_reflection(funcdef),
             check_not_rebound(region, names),

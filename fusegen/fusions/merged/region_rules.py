@@ -31,7 +31,10 @@ them (each an allowlist; a false alarm costs a fusion, a miss returns wrong numb
   made before the region, a `__len__` that writes what the caller handed) escapes every rule above. A builtin that
   calls a function it is handed (`max(..., key=f)`, `map(f, ...)`) must be handed a builtin or torch one; and what a
   builtin returns is known only from known operands (`_builtin_result_known`: `next` of a `map` over a grad switch,
-  made before the region, runs that switch in it).
+  made before the region, runs that switch in it). `isinstance` reads `obj.__class__`, which the caller's class may
+  answer with its own code: on an object not known, it is trusted only as a `rules.Claim` on a parameter (the
+  rewrite guards the merged call with `class_is_honest`), and so is what a narrowing `isinstance` lets the region
+  read of the parameter after it.
 
 Besides, `argument-write` refuses torch functions that write an argument though their name has no underscore:
 `F.embedding`/`F.embedding_bag` with `max_norm` (they renormalise the weight rows they read) and
@@ -59,6 +62,7 @@ from fusegen.core import vocabulary
 from fusegen.core.astutil import parent_map, self_attr, walk
 from fusegen.core.plan import Refused
 from fusegen.fusions.merged import dataflow, lookup
+from fusegen.fusions.merged.rules import Claim
 
 
 def _contexts(*dotted: str) -> tuple:
@@ -323,16 +327,17 @@ def _rooted_in(expr: ast.expr, names: set[str]) -> bool:
     return isinstance(root, ast.Name) and root.id in names
 
 
-def _narrowed(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) -> bool:
+def _narrowing(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) -> Claim | None:
     """Is `node` in the body of an `if` whose test requires `isinstance(p, C)` (a conjunct), `p` the name `expr` is
     rooted at and `C` a Transformers class that is not a tensor (`if cache is not None and isinstance(cache,
     EncoderDecoderCache):`)? Then `p` is such an object there, trusted as `transformers_typed` parameters are (a user
-    subclass of `C` included). Only for a name the function never binds (no assignment, loop or `with` target,
-    walrus, `del`, import or nested definition of it anywhere): a rebinding in the branch would make the test say
-    nothing of the value there."""
+    subclass of `C` included), on the `Claim` returned: `isinstance` believes an object's `__class__`, which the
+    caller's class may make lie. Only for a parameter the function never binds again (no assignment, loop or `with`
+    target, walrus, `del`, import or nested definition of it anywhere): a rebinding in the branch would make the
+    test say nothing of the value there, and the rewrite's guard tests the parameter at the merged call."""
     root = _root(expr)
-    if not isinstance(root, ast.Name) or _rebound(root.id, node, parent_of):
-        return False
+    if not isinstance(root, ast.Name) or not _claimable(root.id, node, parent_of):
+        return None
     child, current = node, parent_of.get(node)
     while current is not None:
         if isinstance(current, ast.If) and any(child is stmt for stmt in current.body):
@@ -344,10 +349,26 @@ def _narrowed(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) -
                 )
                 if is_check and len(test.args) == 2 and isinstance(test.args[0], ast.Name):
                     cls = lookup.resolve_dotted(test.args[1], namespace)
-                    if test.args[0].id == root.id and _transformers_class(cls):
-                        return True
+                    if test.args[0].id == root.id and _transformers_class(cls) and _plain_instancecheck(cls):
+                        return Claim(root.id)
         child, current = current, parent_of.get(current)
-    return False
+    return None
+
+
+def _claimable(name: str, node: ast.AST, parent_of: dict) -> bool:
+    """Is `name` a parameter of the function holding `node` that it never binds again (`_rebound`)? Its value is
+    then the same at the merged call, where the rewrite tests it, as wherever the region reads it."""
+    root = node
+    while parent_of.get(root) is not None:
+        root = parent_of[root]
+    parameters = {arg.arg for arg in walk(root.args) if isinstance(arg, ast.arg)} if hasattr(root, "args") else set()
+    return name in parameters and not _rebound(name, node, parent_of)
+
+
+def _plain_instancecheck(cls: object) -> bool:
+    """Does `isinstance(obj, cls)` run only `type.__instancecheck__` (which reads `obj.__class__` and nothing else)?
+    A metaclass's own `__instancecheck__` may read anything of the object."""
+    return isinstance(cls, type) and type(cls).__instancecheck__ is type.__instancecheck__
 
 
 def _rebound(name: str, node: ast.AST, parent_of: dict) -> bool:
@@ -389,7 +410,10 @@ def check_caller_writes(region, fresh, names, module, namespace, local, trusted,
             continue
         if _fresh_expr(_root(target), fresh, set(), module, namespace):
             continue  # written where it is made: `self.gate_proj(x).mul_(0.5)`, `torch.zeros_like(x).add_(1)`
-        if not _narrowed(node, target, parent_of, namespace):
+        claim = _narrowing(node, target, parent_of, namespace)
+        if claim is not None:
+            yield claim
+        else:
             yield Refused(
                 "caller-alias",
                 f"`{ast.unparse(node).strip()}` writes `{ast.unparse(target)}`, which the caller may have made an "
@@ -456,10 +480,14 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
     for call in (node for node in dataflow.region_nodes(region) if isinstance(node, ast.Call)):
         if id(call) in skip or id(call) in entered:
             continue
-        if isinstance(call.func, ast.Attribute) and (
-            _rooted_in(call.func.value, trusted) or _narrowed(call, call.func.value, parent_of, namespace)
-        ):
+        if isinstance(call.func, ast.Attribute) and _rooted_in(call.func.value, trusted):
             continue  # a method of a Transformers object handed in (a cache): `transformers_typed`
+        claim = (
+            _narrowing(call, call.func.value, parent_of, namespace) if isinstance(call.func, ast.Attribute) else None
+        )
+        if claim is not None:
+            yield claim  # a method of a Transformers object the forward tested for
+            continue
         if isinstance(call.func, ast.Name) and call.func.id in lambdas:
             reason = _unproven_function(lambdas[call.func.id])
         else:
@@ -470,16 +498,13 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
 
 # --- implicit calls ---------------------------------------------------------------------------------------------
 
-_QUIET_BUILTINS = frozenset({"type", "id", "isinstance", "issubclass", "callable", "is_", "is_not"})
-"""Builtins and `operator` functions that run no special method of what they are handed (`isinstance` reads the
-class, not the object; `operator.is_` compares identity).
+_QUIET_BUILTINS = frozenset({"type", "id", "callable", "is_", "is_not"})
+"""Builtins and `operator` functions that run no special method of what they are handed (`type` and `callable` read
+the type's slots, `id` and `operator.is_` identity). `isinstance` reads `obj.__class__`: `_class_test`."""
 
-Known gap, kept by decision: when the object's type is not a subclass, `isinstance` reads `obj.__class__`, which a
-property can make user code that lies about the class (tests/test_hazards.py, `alias5_isinstance_class_property`,
-`alias5_class_property_lies_to_narrowing`: strict xfail with validation off; validation refuses both). Judging it as
-other builtins are refuses roformer's and xlm's q/k/v (`isinstance(cache, EncoderDecoderCache)` on an untyped
-`cache`). The analysis already takes a caller's object to be what its annotation says (a typed parameter is
-trusted); an object whose `__class__` claims a Transformers class is taken at its word the same way."""
+_TRUSTED_METACLASS_MODULES = ("builtins", "abc", "typing", "torch", "transformers")
+"""Where a metaclass's `__instancecheck__` may be defined for `isinstance` of a known object to run no user code
+(`ABCMeta`, `typing`'s protocols, torch's `Parameter`)."""
 
 _CONSTANT_TYPES = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), range, slice, torch.dtype,
                    torch.device, torch.Size, torch.memory_format, torch.layout, torch.Tensor, types.ModuleType,
@@ -741,8 +766,12 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
     known = known_names(funcdef, tensors, trusted, module, namespace, local)
 
     def operand(node, expr, what):
-        narrowed = isinstance(expr, ast.Name) and _narrowed(node, expr, parent_of, namespace)  # a Transformers object
-        if expr is not None and not narrowed and not _known(expr, known, module, namespace, local):
+        if expr is None or _known(expr, known, module, namespace, local):
+            return
+        claim = _narrowing(node, expr, parent_of, namespace) if isinstance(expr, ast.Name) else None
+        if claim is not None:
+            yield claim  # a Transformers object the forward tested for
+        else:
             yield Refused(
                 "implicit-call",
                 f"`{ast.unparse(node).strip().splitlines()[0]}` {what} `{ast.unparse(expr)}`, whose special methods "
@@ -824,7 +853,9 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             )
             # `operator.add(obj, 1)`, `operator.truth(obj)`: the operator spelled as a function, as `obj + 1` is
             operator_function = lookup.operator_module_function(resolved) is not None
-            if (builtin or operator_function) and resolved.__name__ not in _QUIET_BUILTINS:
+            if resolved is isinstance:
+                yield from _class_test(node, operand, parent_of, namespace, local)
+            elif (builtin or operator_function) and resolved.__name__ not in _QUIET_BUILTINS:
                 for argument in (*node.args, *(k.value for k in node.keywords)):
                     if not isinstance(argument, ast.GeneratorExp):  # its parts are nodes of the region, judged here
                         yield from operand(node, argument, "hands a builtin")
@@ -840,6 +871,42 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
                 for argument in (*node.args, *(k.value for k in node.keywords)):
                     if not isinstance(argument, (ast.GeneratorExp, ast.Lambda)):
                         yield from operand(node, argument, "hands torch")
+
+
+def _class_test(call: ast.Call, operand, parent_of: dict, namespace: dict, local: set[str]):
+    """Findings for `isinstance(obj, C)`. It runs `C`'s metaclass's `__instancecheck__`, which for `type` reads
+    `obj.__class__` once `type(obj)` is not a subclass, a read the caller's class can answer with its own code:
+    - every class named must be resolved here, with a metaclass check that is `type`'s or library code
+      (`_TRUSTED_METACLASS_MODULES`): a user's `__instancecheck__` is user code whatever it is handed;
+    - `obj` known (`known_names`): its reads run no user code;
+    - otherwise `obj` a parameter never bound again, and every class checked by `type`'s `__instancecheck__`: a
+      `Claim` on it (the merged call runs only where `class_is_honest(obj)`);
+    - anything else is refused as an implicit call."""
+    if len(call.args) != 2 or call.keywords:
+        yield from operand(call, call.args[0] if call.args else None, "hands a builtin")
+        return
+    subject, spelled = call.args
+    classes = [lookup.resolve_dotted(e, namespace, local) for e in getattr(spelled, "elts", [spelled])]
+    metaclass_checks = [getattr(type(cls), "__instancecheck__", None) for cls in classes]
+    if not all(
+        isinstance(cls, type) and (check is type.__instancecheck__ or _library_code(check))
+        for cls, check in zip(classes, metaclass_checks)
+    ):
+        yield Refused("implicit-call", f"`{ast.unparse(call)}` may run a class check written by the user", call)
+        return
+    findings = list(operand(call, subject, "hands `isinstance`"))
+    claimable = isinstance(subject, ast.Name) and _claimable(subject.id, call, parent_of)
+    if all(isinstance(finding, Claim) for finding in findings):
+        yield from findings
+    elif claimable and all(map(_plain_instancecheck, classes)):
+        yield Claim(subject.id)
+    else:
+        yield from findings
+
+
+def _library_code(function: object) -> bool:
+    module = getattr(function, "__module__", None) or ""
+    return module.split(".")[0] in _TRUSTED_METACLASS_MODULES
 
 
 def _rebound_names(funcdef: ast.FunctionDef, parent_of: dict) -> tuple[set[str], set[str]]:

@@ -81,6 +81,7 @@ from fusegen.fusions.merged.rewrite_forward import (
     dominating_region,
     piece_temps,
     refuse_calls_in_loops,
+    refuse_claims,
     refuse_different_inputs,
     single_call,
     split_statement,
@@ -377,7 +378,8 @@ def rewrite_forward_nested(
     refuse_calls_in_loops(funcdef, calls)
     block, first, last = dominating_region(funcdef, calls)
     with absent_linears_present(module, namespace):
-        hoist.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
+        claims = hoist.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
+    refuse_claims(claims, calls)
     temps = piece_temps(funcdef, plan)
     merged, split = f"self.{plan.merged}", split_statement(plan, temps, arg)
     orelse = []

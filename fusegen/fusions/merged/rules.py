@@ -6,16 +6,33 @@ their findings through `raise_first`, which raises the first one whose rule is n
 
 from __future__ import annotations
 
+import dataclasses
+
 from fusegen.core.rules import Rule, rules
 
 DISABLED: frozenset[str] = frozenset()
 """Rule ids switched off. Only the mutation tests set it, to show each rule is needed."""
 
 
-def raise_first(findings) -> None:
-    for refusal in findings:
-        if refusal.rule not in DISABLED:
-            raise refusal
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A finding that refuses nothing: the region relies on the parameter `name` holding the class `isinstance` says
+    it holds. That is so where `fusegen.runtime.claims.class_is_honest(name)` is, so a rewrite runs the merged call
+    only there and each projection at its own place elsewhere (`rewrite_forward._claimed_split`, `rewrite_cross`); a
+    rewrite that cannot refuses (`class-claim`)."""
+
+    name: str
+
+
+def raise_first(findings) -> frozenset[str]:
+    """Raise the first refusal whose rule is not `DISABLED`; otherwise return the names the findings claim."""
+    claims = set()
+    for finding in findings:
+        if isinstance(finding, Claim):
+            claims.add(finding.name)
+        elif finding.rule not in DISABLED:
+            raise finding
+    return frozenset(claims)
 
 
 PROJECTIONS = "Projections are what they look like"
@@ -99,6 +116,13 @@ RULES: tuple[Rule, ...] = (
         ),
         ("unusual-init", "the projections are constructed in a shape the rewrite does not handle"),
         ("constructor-inputs-change", "what a moved constructor reads may change between the constructors"),
+        (
+            "class-claim",
+            (
+                "the region trusts a caller's object to be the class isinstance says, and the rewrite has no place "
+                "to fall back to each projection where the object's class may lie"
+            ),
+        ),
     ),
 )
 """Every rule the merged-linear family refuses with: the kinds built on `LinearKind` declare them (`Kind.rules`)."""
