@@ -31,7 +31,8 @@ family's catalog (`run` takes them in turn, so `--pairs 5 * CATALOG_SIZE` draws 
   or write the input it holds (`Sly`, `Meddler(x)`), and the region runs one of them though no special method is
   spelled: a truth test, `not`, `and`, `assert`, `len`, `int`, an f-string, `==`, `<`, a comprehension filter, `+=`,
   an item store or read, `+` either side, unary `-`, iteration, unpacking, `*obj`, `in`, use as an index, a dict
-  key, an attribute read, a `match` subject, an `operator` function. Twin: the same spelling in the region on a
+  key, an attribute read, a `match` subject, an `operator` function; or hands a `Pretender`, whose `__class__` lies,
+  to `isinstance`, also narrowing on it. Twin: the same spelling in the region on a
   number, shape or fresh tensor the forward made (`x.shape[0]`, `x.shape`).
 - `pieces`: a piece that escapes (stored on self, alone or in a dataclass, a namedtuple in a list, a nested dict, a
   global record, a closure cell, a lambda's or function's default, a generator, through a walrus; then written by a
@@ -77,6 +78,8 @@ LAYER = "        "
 
 FUZZ_HELPERS = '''
 import itertools
+
+from transformers import DynamicCache
 
 
 class Meddler:
@@ -160,6 +163,24 @@ class Meddler:
             raise AttributeError(name)
         self._act()
         return 1
+
+
+class Pretender:
+    """A caller's object that says it is a `DynamicCache` (its `__class__`, which `isinstance` reads), and doubles the
+    tensor it holds in place whenever its class or its `layers` is read."""
+
+    def __init__(self, held):
+        self.held = held
+
+    @property
+    def __class__(self):
+        self.held.mul_(2.0)
+        return DynamicCache
+
+    @property
+    def layers(self):
+        self.held.mul_(2.0)
+        return []
 
 
 @dataclasses.dataclass
@@ -607,9 +628,11 @@ CALLER_OBJECTS = {
     "sly": "Sly(args[0])",
     "flipper": "Meddler(None)",
     "writer": "Meddler(args[0])",
+    "pretender": "Pretender(args[0])",
 }
 """What the caller hands as `obj`: `oracle.FOURTH_HELPERS`' `Toggle` and `Sly`, and the fuzzer's `Meddler` (special
-methods that flip grad mode, or that double the input the object holds in place)."""
+methods that flip grad mode, or that double the input the object holds in place), and its `Pretender` (a class
+that lies to `isinstance`, doubling the input as it does)."""
 IMPLICIT = {
     "truth": ("if {o}:\n    w = 2.0", "x.shape[0]"),
     "negation": ("w = 2.0 if not {o} else 1.0", "x.shape[0]"),
@@ -637,19 +660,24 @@ IMPLICIT = {
     "boolean_and": ("w = ({o} and 2.0) or 1.0", "x.shape[0]"),
     "assertion": ("assert {o}", "x.shape[0]"),
     "match_subject": ("match {o}:\n    case 1:\n        w = 2.0", "x.shape[0]"),
+    "class_test": ("w = 2.0 if isinstance({o}, torch.Tensor) else 1.0", "x.shape[0]"),
+    "narrowed": ("if isinstance({o}, DynamicCache):\n    z = {o}.layers\n    w = 2.0", "x.shape[0]"),
 }
 """Operations that run `{o}`'s special methods with no special method spelled (some set `w`, which the result
 reads; those binding `z` keep the build's tracer going, which stops at a proxy's truth or `float`), each with the
 operand of its twin: a number or shape the forward made (`n`, `buf`: `TWIN_SETUP`)."""
 TWIN_SETUP = {"n": "n = x.shape[0]", "buf": "buf = torch.zeros(3)"}
 OLD_SPELLINGS = ("truth", "negation", "length", "format", "equality", "filter")
+CLASS_SPELLINGS = ("class_test", "narrowed")
 IMPLICIT_SUPPORTED = {
     "toggle": OLD_SPELLINGS,
     "sly": ("truth", "negation", "length", "format", "filter"),
-    "flipper": tuple(IMPLICIT),
-    "writer": tuple(IMPLICIT),
+    "flipper": tuple(name for name in IMPLICIT if name not in CLASS_SPELLINGS),
+    "writer": tuple(name for name in IMPLICIT if name not in CLASS_SPELLINGS),
+    "pretender": CLASS_SPELLINGS,
 }
-"""The spellings each object's class implements (`Sly` has no `__eq__`: its `==` is identity)."""
+"""The spellings each object's class implements (`Sly` has no `__eq__`: its `==` is identity; only `Pretender` lies
+about its class)."""
 
 IMPLICIT_CATALOG = [(name, holder) for name in sorted(IMPLICIT) for holder in sorted(CALLER_OBJECTS)
                     if name in IMPLICIT_SUPPORTED[holder]]  # fmt: skip
