@@ -9,12 +9,14 @@ and compute each projection at its own place when it fails (`rewrite_cross`); el
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 from fusegen.compiler.build import build
-from fusegen.runtime import MergedColumnLinear, class_is_honest, linear_pieces
+from fusegen.runtime import MergedColumnLinear, class_is_honest, linear_piece
 from fusegen.testkit import TOLERANCE, import_file
 from tests.test_cross_attention import rewrite_refusal, write_switched_case
 from tests.test_hazards import outcome
@@ -73,15 +75,39 @@ def test_honest_objects():
     assert class_is_honest(WithGetattr())  # `__class__` is always found, so `__getattr__` never runs
 
 
-@pytest.mark.parametrize("liar", [Liar(torch.zeros(1)), Intercepting(), InterceptingStr("s")], ids=type)
-def test_objects_that_may_lie(liar):
+class NoneClass:
+    """A `__class__` that is no descriptor: the instance's `__dict__` answers (set below to claim `DynamicCache`)."""
+
+    __class__ = None
+
+
+def _none_class_claiming_a_cache():
+    obj = NoneClass()
+    obj.__dict__["__class__"] = DynamicCache
+    return obj
+
+
+HELD = Liar(torch.zeros(1))
+LIARS = {
+    "property": HELD,
+    "getattribute": Intercepting(),
+    "getattribute_of_str": InterceptingStr("s"),
+    "weak_proxy": weakref.proxy(HELD),  # a C type that hands the read to the object behind it
+    "none_class": _none_class_claiming_a_cache(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIARS))
+def test_objects_that_may_lie(name):
+    liar = LIARS[name]
     assert not class_is_honest(liar)
     assert not class_is_honest(None, liar)
 
 
-def test_the_liar_fools_isinstance():
-    """The premise: without the runtime test, `isinstance` believes it."""
-    assert isinstance(Liar(torch.zeros(1)), DynamicCache) and isinstance(InterceptingStr("s"), DynamicCache)
+def test_the_liars_fool_isinstance():
+    """The premise: without the runtime test, `isinstance` believes them."""
+    lying = [liar for name, liar in LIARS.items() if name != "getattribute"]  # that one only may lie
+    assert all(isinstance(liar, DynamicCache) for liar in lying)
 
 
 # --- the analysis ----------------------------------------------------------------------------------------------------
@@ -108,9 +134,21 @@ def _case(case_path, name, forward, params=", kv=None, cache=None", extra=EXTRA)
     return write_switched_case(case_path, name, forward, params, extra)
 
 
-def test_a_claimed_name_in_a_piece_statement_is_refused_in_one_input(case_path):
-    forward = SAME_INPUT.replace("        k = self.k_proj(x)\n", "        k = self.k_proj(x) * (cache is None)\n")
-    assert rewrite_refusal(_case(case_path, "claim_in_k_statement", forward, ", cache=None")) == "class-claim"
+def test_a_forward_that_sets_the_class_makes_no_claim(case_path):
+    """The merge flag is tested once, so the forward must not change the claimed parameter's class after it."""
+    spellings = {"store": "cache.__class__ = DynamicCache", "setattr": "setattr(cache, '__class__', DynamicCache)"}
+    refusals = {}
+    for name, spelling in spellings.items():
+        forward = SAME_INPUT.replace("            n = 2.0\n", f"            n = 2.0\n            {spelling}\n")
+        refusals[name] = rewrite_refusal(_case(case_path, f"sets_class_{name}", forward, ", cache=None"))
+    # without a claim the store writes an object the caller handed, and `setattr` is a call the rules do not trust
+    assert refusals == {"store": "caller-alias", "setattr": "region-call"}
+
+
+def test_a_runtime_name_of_the_module_is_a_name_clash(case_path):
+    extra = EXTRA + "\n\ndef class_is_honest(obj):\n    return False\n"
+    dotted = _case(case_path, "runtime_name_clash", SAME_INPUT, ", cache=None", extra)
+    assert rewrite_refusal(dotted) == "name-clash"
 
 
 def test_isinstance_of_an_unknown_local_is_an_implicit_call(case_path):
@@ -123,38 +161,57 @@ def test_isinstance_of_an_unknown_local_is_an_implicit_call(case_path):
 
 
 def test_a_user_metaclass_check_is_an_implicit_call(case_path):
-    extra = EXTRA + (
-        "\n\nclass Checked(type):\n    def __instancecheck__(cls, obj):\n        return True\n\n\n"
-        "class Probe(metaclass=Checked):\n    pass\n"
-    )
+    """A user metaclass's `__instancecheck__`, or `ABCMeta`'s calling a user `__subclasshook__`, runs user code even
+    on a tensor."""
+    checks = {
+        "metaclass": "class Checked(type):\n    def __instancecheck__(cls, obj):\n        return True\n\n\n"
+        "class Probe(metaclass=Checked):\n    pass\n",
+        "abc": "import abc\n\n\nclass Probe(abc.ABC):\n    @classmethod\n    def __subclasshook__(cls, other):\n"
+        "        return True\n",
+    }
     forward = SAME_INPUT.replace(NARROWED, "        n = 2.0 if isinstance(x, Probe) else 1.0\n")
-    assert rewrite_refusal(_case(case_path, "user_metaclass", forward, "", extra)) == "implicit-call"
-
-
-def test_a_claim_between_k_and_v_is_refused(case_path):
-    """k and v are computed together at the k site whatever the guard says, so no claim may sit between them."""
-    forward = SWITCHED_CLAIM.replace(NARROWED, "").replace(
-        "        v = self.v_proj(current)\n", NARROWED + "        v = self.v_proj(current)\n"
-    )
-    assert rewrite_refusal(_case(case_path, "claim_between_k_and_v", forward)) == "class-claim"
-
-
-def test_a_claimed_name_in_a_piece_statement_is_refused(case_path):
-    forward = SWITCHED_CLAIM.replace("        q = self.q_proj(x)\n", "        q = self.q_proj(x) * (cache is None)\n")
-    assert rewrite_refusal(_case(case_path, "claim_in_q_statement", forward)) == "class-claim"
+    for name, extra in checks.items():
+        assert (
+            rewrite_refusal(_case(case_path, f"user_{name}", forward, "", EXTRA + "\n\n" + extra)) == "implicit-call"
+        )
 
 
 # --- the guarded merge -----------------------------------------------------------------------------------------------
 
 
+class Doubling:
+    """What the liar below hands back: comparing it doubles the input it holds."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __ge__(self, other):
+        self.t.mul_(2.0)
+        return True
+
+
+class CountingLiar(Liar):
+    """A liar whose narrowed method hands back a `Doubling`: the caller's code runs later, inside k's statement."""
+
+    def get_seq_length(self):
+        return Doubling(self.t)
+
+
+FLOW = SAME_INPUT.replace(
+    NARROWED, "        seen = 0\n" + NARROWED.replace("layers = cache.layers", "seen = cache.get_seq_length()")
+).replace("        k = self.k_proj(x)\n", "        k = (seen >= 0) * 0.0 + self.k_proj(x)\n")
+"""The value a narrowed call returned is used in the statement of k, before k's call: computed at its call, k reads
+the input after the comparison doubled it, as in the original."""
+
+
 def _fused_pair(case_path, dotted, name, monkeypatch, guards):
-    """The toy's block and its fused block with the same weights, the fused module's `linear_pieces` recording the
-    rows each call computes apart; the generated text must hold each of `guards`."""
+    """The toy's block and its fused block with the same weights, the fused module's `linear_piece` recording the
+    piece each call computes alone; the generated text must hold each of `guards`."""
     block = outcome(dotted)
     assert [(plan.kind, plan.merged) for plan in block.fused] == [("qkv", "qkv_proj")], block.refused
     text = build(dotted).text
-    for guard in ["honest_classes = class_is_honest(cache)", *guards]:
-        assert guard in text
+    for guard in guards:
+        assert guard in text, text
     path = case_path / f"fused_{name}.py"
     path.write_text(text)
     fused_module = import_file(path, f"fused_{name}")
@@ -166,46 +223,65 @@ def _fused_pair(case_path, dotted, name, monkeypatch, guards):
         weights = [original.q_proj.weight, original.k_proj.weight, original.v_proj.weight]
         fused.qkv_proj.weight.copy_(torch.cat(weights))
     assert isinstance(fused.qkv_proj, MergedColumnLinear)
-    apart = []
-    monkeypatch.setattr(fused_module, "linear_pieces", lambda *args: apart.append(args[-1]) or linear_pieces(*args))
-    return original, fused, apart
+    alone = []
+    monkeypatch.setattr(fused_module, "linear_piece", lambda *args: alone.append(args[-1]) or linear_piece(*args))
+    return original, fused, alone
 
 
-CACHES = {"none": lambda t: None, "honest": lambda t: DynamicCache(), "liar": Liar}
-"""How each run makes its cache from the input it is handed (the liar holds the input, and doubles it)."""
+class ProxiedLiar:
+    """Makes a weak proxy of a `Liar` holding the input, keeping the liar alive for the call."""
+
+    def __init__(self):
+        self.kept = []
+
+    def __call__(self, t):
+        self.kept.append(Liar(t))
+        return weakref.proxy(self.kept[-1])
 
 
-def _run(original, fused, apart, x, **kv):
-    """Each cache against the original, on separate copies of `x` (the liar writes its copy): outputs and the
-    written inputs agree; returns the rows `linear_pieces` computed apart, per cache."""
-    computed_apart = {}
-    for name, make in CACHES.items():
-        apart.clear()
+CACHES = {"none": lambda t: None, "honest": lambda t: DynamicCache(), "liar": Liar, "proxy": ProxiedLiar()}
+"""How each run makes its cache from the input it is handed (the liars hold the input, and double it)."""
+
+
+def _run(original, fused, alone, x, caches=CACHES, **kv):
+    """Each cache against the original, on separate copies of `x` (a liar writes its copy): outputs and the written
+    inputs agree; returns the pieces computed alone, per cache. (No gradients: the original's own backward fails
+    once a liar has written an input a projection saved.)"""
+    computed_alone = {}
+    for name, make in caches.items():
+        alone.clear()
         mine, theirs = x.clone(), x.clone()
         expected, got = original(mine, cache=make(mine), **kv), fused(theirs, cache=make(theirs), **kv)
         assert (expected - got).abs().max().item() <= TOLERANCE, name
         assert torch.equal(mine, theirs), name
-        computed_apart[name] = list(apart)
-    return computed_apart
+        computed_alone[name] = list(alone)
+    return computed_alone
 
 
 def test_one_input_guards_the_merged_call(case_path, monkeypatch):
-    """With the liar each projection is computed at its own place (q, then k and v after its `layers` read doubled
-    the input), so every output matches; with an honest cache or none the one merged GEMM runs."""
+    """With a liar each projection is computed at its own call (q, then k and v after its `layers` read doubled the
+    input), so every output and gradient matches; with an honest cache or none the one merged GEMM runs."""
     dotted = _case(case_path, "claim_same_input", SAME_INPUT, ", cache=None")
-    guards = ["if honest_classes:", "if not honest_classes:"]
-    original, fused, apart = _fused_pair(case_path, dotted, "claim_same_input", monkeypatch, guards)
-    computed_apart = _run(original, fused, apart, torch.randn(2, 5, 16))
-    assert computed_apart == {"none": [], "honest": [], "liar": [(0,), (1,), (2,)]}
+    guards = ["merge_qkv_proj = class_is_honest(cache)", "if merge_qkv_proj:", "q_proj_out if merge_qkv_proj else"]
+    original, fused, alone = _fused_pair(case_path, dotted, "claim_same_input", monkeypatch, guards)
+    computed_alone = _run(original, fused, alone, torch.randn(2, 5, 16))
+    assert computed_alone == {"none": [], "honest": [], "liar": [0, 1, 2], "proxy": [0, 1, 2]}
+
+
+def test_a_value_from_the_liar_runs_in_a_piece_statement(case_path, monkeypatch):
+    dotted = _case(case_path, "claim_flow", FLOW, ", cache=None")
+    original, fused, alone = _fused_pair(case_path, dotted, "claim_flow", monkeypatch, ["if merge_qkv_proj:"])
+    caches = {"none": lambda t: None, "liar": CountingLiar}
+    assert _run(original, fused, alone, torch.randn(2, 5, 16), caches) == {"none": [], "liar": [0, 1, 2]}
 
 
 def test_a_switched_attention_guards_the_merged_call(case_path, monkeypatch):
-    """The self-or-cross rewrite: with the liar the pieces are computed apart as for cross-attention (q, then k/v
-    after the `layers` read doubled the input), so every output matches; with an honest cache or none, and no
-    encoder states, the one merged GEMM runs."""
+    """The self-or-cross rewrite: the flag also needs the switch; without it every projection is computed at its own
+    call (k and v apart, as in the original), with encoder states or a liar."""
     dotted = _case(case_path, "claim_switched", SWITCHED_CLAIM)
-    guards = ["if kv is None and honest_classes:", "if kv is not None or not honest_classes:"]
-    original, fused, apart = _fused_pair(case_path, dotted, "claim_switched", monkeypatch, guards)
+    guards = ["merge_qkv_proj = kv is None and class_is_honest(cache)", "if merge_qkv_proj:"]
+    original, fused, alone = _fused_pair(case_path, dotted, "claim_switched", monkeypatch, guards)
     x, other = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
-    assert _run(original, fused, apart, x, kv=None) == {"none": [], "honest": [], "liar": [(0,), (1, 2)]}
-    assert _run(original, fused, apart, x, kv=other) == {name: [(0,), (1, 2)] for name in CACHES}
+    merged = _run(original, fused, alone, x, kv=None)
+    assert merged == {"none": [], "honest": [], "liar": [0, 1, 2], "proxy": [0, 1, 2]}
+    assert _run(original, fused, alone, x, kv=other) == {name: [0, 1, 2] for name in CACHES}

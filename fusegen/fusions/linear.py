@@ -30,6 +30,7 @@ from fusegen.fusions.merged.live import check_projections, projection_findings
 from fusegen.fusions.merged.rewrite_cross import rewrite_self_or_cross
 from fusegen.fusions.merged.rewrite_forward import (
     CLASS_IS_HONEST,
+    LINEAR_PIECE,
     LINEAR_PIECES,
     differently_spelled,
     projection_calls,
@@ -49,7 +50,7 @@ _SUFFIX = re.compile(r"(_proj|_lin|_linear|_layer)$")
 class LinearKind(Kind):
     """A kind that merges some of the linears of one same-input group (see the module docstring)."""
 
-    runtime_names = frozenset({MERGED_LINEAR, LINEAR_PIECES, CLASS_IS_HONEST})
+    runtime_names = frozenset({MERGED_LINEAR, LINEAR_PIECES, LINEAR_PIECE, CLASS_IS_HONEST})
     family = "merged-linear"
     rules = RULES
 

@@ -12,7 +12,7 @@ from .checkpoint import MergedColumnConcatenate, MergedColumnSplit, build_stacke
 from .claims import class_is_honest
 from .files import CheckpointError
 from .layout import RowLayout
-from .linear import MergedColumnLinear, linear_pieces, merged_piece
+from .linear import MergedColumnLinear, linear_piece, linear_pieces, merged_piece
 from .loading import load_checkpoint, load_weights
 from .peft import AdapterError
 from .peft import load_adapter as load_adapter_packed
@@ -64,6 +64,7 @@ __all__ = [
     "class_is_honest",
     "fused_from_pretrained",
     "init_fused_parallel_plans",
+    "linear_piece",
     "linear_pieces",
     "load_adapter_packed",
     "load_checkpoint",

@@ -14,37 +14,42 @@ from __future__ import annotations
 _OBJECT_CLASS = object.__dict__["__class__"]
 _CLASS_DICT = type.__dict__["__dict__"]
 _CLASS_MRO = type.__dict__["__mro__"]
-_CLASS_FLAGS = type.__dict__["__flags__"]
-_HEAP_TYPE = 1 << 9
-"""`Py_TPFLAGS_HEAPTYPE`: set on every class a `class` statement (or `type(...)`) makes, clear on classes written in
-C."""
+_GENERIC_GETATTRIBUTE = frozenset(
+    id(kind.__dict__["__getattribute__"])
+    for kind in (object, int, float, complex, bool, str, bytes, tuple, list, dict, set, frozenset)
+    if "__getattribute__" in kind.__dict__
+)
+"""The `__getattribute__` slots that read attributes generically (`object`'s, and the ones Python's own number,
+string and container types expose): a class whose lookup reaches one of these first, and nothing else, answers
+`__class__` from its type. Any other, Python or C (`weakref.proxy` hands the read to the object behind it), may
+not."""
+_MISSING = object()
 
 
 def class_is_honest(*objects: object) -> bool:
     """Does reading `__class__` from each of `objects` give its type, with none of its class's code run?
 
-    Sound because attribute reads go through the type's `__getattribute__`: where the first one on the type's MRO is
-    defined by a class written in C (`object`'s, or `int`'s, `str`'s, ... which read attributes generically), not by
-    a class made by a `class` statement, and the first `__class__` is `object`'s descriptor, the read returns
-    `type(obj)` (a data descriptor wins over the instance's `__dict__`, and `__getattr__` is never asked for a name
-    that is found). Then `isinstance(obj, C)`, for a class `C` whose metaclass keeps `type.__instancecheck__` (the
-    analysis checks that when it builds), is `issubclass(type(obj), C)`, and runs no code of the object's. The
-    lookups here read the class dictionaries through `type`'s own descriptors, so a metaclass of the caller's runs
-    nothing either. Cost: a walk of the MRO, about a microsecond per object.
+    Sound because an attribute read goes through the first `__getattribute__` on the type's MRO: where that is one
+    of `_GENERIC_GETATTRIBUTE`, and the first `__class__` on the MRO is `object`'s descriptor (not a property, not
+    a plain value that would let the instance's `__dict__` answer), the read returns `type(obj)` (a data descriptor
+    wins over the instance's `__dict__`, and `__getattr__` is never asked for a name that is found). Then
+    `isinstance(obj, C)`, for a class `C` whose metaclass keeps `type.__instancecheck__` (the analysis checks that
+    when it builds), is `issubclass(type(obj), C)`, and runs no code of the object's. The lookups here read the
+    class dictionaries through `type`'s own descriptors, so a metaclass of the caller's runs nothing either. Cost:
+    a walk of the MRO, about a microsecond per object.
     """
     for obj in objects:
-        owner, _ = _first_on_mro(type(obj), "__getattribute__")
-        _, descriptor = _first_on_mro(type(obj), "__class__")
-        if _CLASS_FLAGS.__get__(owner) & _HEAP_TYPE or descriptor is not _OBJECT_CLASS:
+        getattribute = _first_on_mro(type(obj), "__getattribute__")
+        if id(getattribute) not in _GENERIC_GETATTRIBUTE or _first_on_mro(type(obj), "__class__") is not _OBJECT_CLASS:
             return False
     return True
 
 
-def _first_on_mro(cls: type, name: str) -> tuple[type, object]:
-    """The first class on `cls`'s MRO whose dictionary holds `name`, and what it holds there (every MRO ends in
-    `object`, which holds both names asked for here)."""
+def _first_on_mro(cls: type, name: str) -> object:
+    """What the first class on `cls`'s MRO whose dictionary holds `name` holds there (every MRO ends in `object`,
+    which holds both names asked for here)."""
     for klass in _CLASS_MRO.__get__(cls):
-        found = _CLASS_DICT.__get__(klass).get(name)
-        if found is not None:
-            return klass, found
+        found = _CLASS_DICT.__get__(klass).get(name, _MISSING)
+        if found is not _MISSING:
+            return found
     raise LookupError(name)

@@ -210,7 +210,22 @@ def linear_pieces(
         kept = [rows[piece] if linear.bias_pieces[piece] else torch.zeros_like(rows[piece]) for piece in pieces]
         bias = torch.cat(kept)
     output = F.linear(input, linear.weight[start:stop], bias)
+    if len(pieces) == 1:
+        return (output,)
     return tuple(output.split([sizes[piece] for piece in pieces], dim=-1))
+
+
+def linear_piece(linear: nn.Module, input: torch.Tensor, sizes: Sequence[int], piece: int) -> torch.Tensor:
+    """Piece `piece` of `linear(input).split(sizes, dim=-1)` alone (`linear_pieces`), as a tensor of its own.
+
+    A generated forward computes a projection this way where it cannot merge the call (a caller's object whose class
+    may lie, `fusegen/fusions/merged/rewrite_forward.py`), in the place of the projection's call. What the
+    projection returned was a fresh tensor that the forward may write in place; a piece split from a whole call
+    (a wrapped, quantized or hooked linear) is a view, which autograd would refuse to let it write, so it is
+    cloned: the same values, dense, its gradient passed through unchanged.
+    """
+    (output,) = linear_pieces(linear, input, sizes, (piece,))
+    return output if output._base is None else output.clone()
 
 
 class MergedPiece:

@@ -82,7 +82,7 @@ from fusegen.fusions.merged.lookup import (
     resolve_dotted,
 )
 from fusegen.fusions.merged.region_rules import region_findings
-from fusegen.fusions.merged.rules import raise_first
+from fusegen.fusions.merged.rules import claims_unless_refused
 
 _SCOPES = (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.GeneratorExp)
 """Code that runs later than where it is written, so a walk over the region does not see it run."""
@@ -686,7 +686,7 @@ def check_input_stable(
     allocated = dataflow.allocated_names(funcdef)
     tracked = aliases(funcdef, sources(funcdef, names, module), module, namespace, exclude=allocated)
     local = local_names(funcdef)
-    return raise_first(
+    return claims_unless_refused(
         itertools.chain(
             check_no_reflection(funcdef),
             check_not_rebound(region, names),

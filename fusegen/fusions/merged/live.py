@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from fusegen.core.plan import Refused
-from fusegen.fusions.merged.rules import raise_first
+from fusegen.fusions.merged.rules import claims_unless_refused
 
 
 def plain_linear(child: object) -> bool:
@@ -117,4 +117,4 @@ def projection_findings(module: nn.Module, names: tuple[str, ...]):
 
 def check_projections(module: nn.Module, names: tuple[str, ...]) -> None:
     """Raise the first `projection_findings` refusal for the projections `names` of `module`."""
-    raise_first(projection_findings(module, names))
+    claims_unless_refused(projection_findings(module, names))

@@ -48,6 +48,10 @@ LAYOUT_METHODS = frozenset(
 )  # fmt: skip
 """Tensor methods whose result depends on the layout, where a split piece differs from a projection output."""
 
+LINEAR_PIECE = "linear_piece"
+"""The `fusegen.runtime` function a rewrite computes one piece alone with, where it does not merge the call
+(`fusegen.runtime.linear.linear_piece`: a tensor of its own, dense, as the projection's output was)."""
+
 
 def module_effect_free(child: object) -> bool:
     """Does calling `child` provably write nothing it is handed and keep no reference to it?
@@ -333,14 +337,20 @@ def _identity_function(func: ast.expr) -> bool:
 
 
 def _kept_or_piece(expr: ast.expr, direct: set[str]) -> bool:
-    """Is `expr` a conditional whose branches are the piece (a name of `direct`) or a projection's own call?"""
+    """Is `expr` a conditional whose branches are the piece (a name of `direct`) or a fresh output: a projection's
+    own call, or the piece computed alone (`linear_piece(...)`, a tensor of its own)?"""
     if not isinstance(expr, ast.IfExp):
         return False
     branches = (expr.body, expr.orelse)
-    return all(
-        (isinstance(b, ast.Name) and b.id in direct) or (isinstance(b, ast.Call) and self_attr(b.func))
-        for b in branches
-    ) and any(isinstance(b, ast.Name) for b in branches)
+
+    def fresh(branch):
+        return isinstance(branch, ast.Call) and (
+            self_attr(branch.func) or isinstance(branch.func, ast.Name) and branch.func.id == LINEAR_PIECE
+        )
+
+    return all((isinstance(b, ast.Name) and b.id in direct) or fresh(b) for b in branches) and any(
+        isinstance(b, ast.Name) for b in branches
+    )
 
 
 def _reaches_as_piece(funcdef: ast.FunctionDef, read: ast.Name, direct: set[str], parent_of: dict) -> bool:

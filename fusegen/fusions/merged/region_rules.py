@@ -328,11 +328,11 @@ def _rooted_in(expr: ast.expr, names: set[str]) -> bool:
 
 
 def _narrowing(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) -> Claim | None:
-    """Is `node` in the body of an `if` whose test requires `isinstance(p, C)` (a conjunct), `p` the name `expr` is
-    rooted at and `C` a Transformers class that is not a tensor (`if cache is not None and isinstance(cache,
-    EncoderDecoderCache):`)? Then `p` is such an object there, trusted as `transformers_typed` parameters are (a user
-    subclass of `C` included), on the `Claim` returned: `isinstance` believes an object's `__class__`, which the
-    caller's class may make lie. Only for a parameter the function never binds again (no assignment, loop or `with`
+    """A `Claim` on `p`, the name `expr` is rooted at, when `node` is in the body of an `if` whose test requires
+    `isinstance(p, C)` (a conjunct), `C` a Transformers class that is not a tensor (`if cache is not None and
+    isinstance(cache, EncoderDecoderCache):`); else None. `p` is then such an object there, trusted as
+    `transformers_typed` parameters are (a user subclass of `C` included), on the claim: `isinstance` believes an
+    object's `__class__`, which the caller's class may make lie. Only for a parameter the function never binds again (no assignment, loop or `with`
     target, walrus, `del`, import or nested definition of it anywhere): a rebinding in the branch would make the
     test say nothing of the value there, and the rewrite's guard tests the parameter at the merged call."""
     root = _root(expr)
@@ -356,13 +356,23 @@ def _narrowing(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) 
 
 
 def _claimable(name: str, node: ast.AST, parent_of: dict) -> bool:
-    """Is `name` a parameter of the function holding `node` that it never binds again (`_rebound`)? Its value is
-    then the same at the merged call, where the rewrite tests it, as wherever the region reads it."""
-    root = node
-    while parent_of.get(root) is not None:
-        root = parent_of[root]
-    parameters = {arg.arg for arg in walk(root.args) if isinstance(arg, ast.arg)} if hasattr(root, "args") else set()
-    return name in parameters and not _rebound(name, node, parent_of)
+    """Is `name` a parameter of the function holding `node` that it never binds again (`_rebound`), and whose
+    `__class__` it never sets (`name.__class__ = ...`, or `name` handed to `setattr`, `delattr` or
+    `object.__setattr__`)? Then the value, and its class, are the same at the merged call, where the rewrite tests
+    them, as wherever the region reads them."""
+    funcdef = node
+    while parent_of.get(funcdef) is not None:
+        funcdef = parent_of[funcdef]
+    if name not in {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}:
+        return False
+    for each in walk(funcdef):
+        stored = isinstance(each, ast.Attribute) and not isinstance(each.ctx, ast.Load) and each.attr == "__class__"
+        setter = isinstance(each, ast.Call) and lookup.call_name(each) in ("setattr", "delattr", "__setattr__")
+        if stored and isinstance(each.value, ast.Name) and each.value.id == name:
+            return False
+        if setter and any(isinstance(arg, ast.Name) and arg.id == name for arg in each.args):
+            return False
+    return not _rebound(name, node, parent_of)
 
 
 def _plain_instancecheck(cls: object) -> bool:
@@ -502,9 +512,9 @@ _QUIET_BUILTINS = frozenset({"type", "id", "callable", "is_", "is_not"})
 """Builtins and `operator` functions that run no special method of what they are handed (`type` and `callable` read
 the type's slots, `id` and `operator.is_` identity). `isinstance` reads `obj.__class__`: `_class_test`."""
 
-_TRUSTED_METACLASS_MODULES = ("builtins", "abc", "typing", "torch", "transformers")
-"""Where a metaclass's `__instancecheck__` may be defined for `isinstance` of a known object to run no user code
-(`ABCMeta`, `typing`'s protocols, torch's `Parameter`)."""
+_LIBRARY_MODULES = ("builtins", "abc", "collections", "typing", "numbers", "torch", "transformers")
+"""The packages whose classes' own `isinstance` checks are trusted for a known object (`collections.abc.Mapping`,
+`numbers.Number`, torch's `Parameter`): see `_class_test`."""
 
 _CONSTANT_TYPES = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), range, slice, torch.dtype,
                    torch.device, torch.Size, torch.memory_format, torch.layout, torch.Tensor, types.ModuleType,
@@ -876,8 +886,9 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
 def _class_test(call: ast.Call, operand, parent_of: dict, namespace: dict, local: set[str]):
     """Findings for `isinstance(obj, C)`. It runs `C`'s metaclass's `__instancecheck__`, which for `type` reads
     `obj.__class__` once `type(obj)` is not a subclass, a read the caller's class can answer with its own code:
-    - every class named must be resolved here, with a metaclass check that is `type`'s or library code
-      (`_TRUSTED_METACLASS_MODULES`): a user's `__instancecheck__` is user code whatever it is handed;
+    - every class named must be resolved here, with a metaclass check that is `type`'s, or for a class of
+      Python's, torch's or Transformers' own (`_LIBRARY_MODULES`) its metaclass's: a user's `__instancecheck__`,
+      or `ABCMeta`'s, which calls the user class's `__subclasshook__`, is user code whatever it is handed;
     - `obj` known (`known_names`): its reads run no user code;
     - otherwise `obj` a parameter never bound again, and every class checked by `type`'s `__instancecheck__`: a
       `Claim` on it (the merged call runs only where `class_is_honest(obj)`);
@@ -887,11 +898,7 @@ def _class_test(call: ast.Call, operand, parent_of: dict, namespace: dict, local
         return
     subject, spelled = call.args
     classes = [lookup.resolve_dotted(e, namespace, local) for e in getattr(spelled, "elts", [spelled])]
-    metaclass_checks = [getattr(type(cls), "__instancecheck__", None) for cls in classes]
-    if not all(
-        isinstance(cls, type) and (check is type.__instancecheck__ or _library_code(check))
-        for cls, check in zip(classes, metaclass_checks)
-    ):
+    if not all(_plain_instancecheck(cls) or _library_class(cls) for cls in classes):
         yield Refused("implicit-call", f"`{ast.unparse(call)}` may run a class check written by the user", call)
         return
     findings = list(operand(call, subject, "hands `isinstance`"))
@@ -904,9 +911,11 @@ def _class_test(call: ast.Call, operand, parent_of: dict, namespace: dict, local
         yield from findings
 
 
-def _library_code(function: object) -> bool:
-    module = getattr(function, "__module__", None) or ""
-    return module.split(".")[0] in _TRUSTED_METACLASS_MODULES
+def _library_class(cls: object) -> bool:
+    """Is `cls` a class of Python's, torch's or Transformers' own, so that its metaclass's `__instancecheck__`
+    (`ABCMeta`'s, torch's `Parameter`'s) and its `__subclasshook__` are library code?"""
+    module = getattr(cls, "__module__", None) or ""
+    return isinstance(cls, type) and module.split(".")[0] in _LIBRARY_MODULES
 
 
 def _rebound_names(funcdef: ast.FunctionDef, parent_of: dict) -> tuple[set[str], set[str]]:

@@ -41,14 +41,12 @@ and the reason, and the plain k + v fusion is tried next):
    fusion does; the rules also guard the states `C` was bound from, `dataflow.sources`), with `linear_pieces`, which computes exactly those rows (`fusegen/runtime/linear.py`).
    The reuse branch still computes no k/v.
 
-5. Where the region trusts what `isinstance` says of a parameter `P` (`if isinstance(cache, EncoderDecoderCache):`
-   then `cache.is_updated`: `rules.Claim`), the merged call also needs `class_is_honest(P)` (`fusegen.runtime.
-   claims`), tested once before the q site into a local that every later test reads: then `isinstance` sees
-   `P`'s type and nothing of the caller's runs, as the rules assumed. Otherwise the uses are computed apart, as in
-   fact 4, with `A` None too: q at the q site, k/v at theirs, in the original's order relative to whatever the
-   caller's object runs between them. So that "at the q site" is where q ran, no claimed name may be read by the
-   statement a piece is computed before, only one projection may read `H`, and the k/v region may trust no claim
-   (`class-claim` otherwise).
+5. Where either region trusts what `isinstance` says of a parameter `P` (`if isinstance(cache,
+   EncoderDecoderCache):` then `cache.is_updated`: `rules.Claim`), the merged call also needs `class_is_honest(P)`
+   (`fusegen.runtime.claims`): one flag, `A is None and class_is_honest(P)`, made before the q site. Where it
+   holds, fact 3 applies as above (`isinstance` sees `P`'s type and nothing of the caller's runs, as the rules
+   assumed). Elsewhere, cross-attention included, nothing is computed ahead: each projection is computed alone
+   where its call was (`rewrite_forward.claimed_split`), k and v in two GEMMs as in the original.
 
 A false alarm costs the q fusion (k + v still merge); a miss would feed k/v the wrong states, so every form not
 listed is refused.
@@ -64,15 +62,18 @@ from fusegen.core import astutil
 from fusegen.core.plan import FusionPlan, Refused
 from fusegen.fusions.merged import hoist
 from fusegen.fusions.merged.rewrite_forward import (
+    CLASS_IS_HONEST,
+    LINEAR_PIECE,
+    LINEAR_PIECES,
+    claimed_split,
     detach_written_pieces,
     dominating_region,
-    honest_flag,
+    merge_flag,
     piece_temps,
-    pieces_statement,
-    refuse_claimed_sites,
-    refuse_claims,
+    refuse_runtime_name_clash,
     split_statement,
 )
+from fusegen.runtime.linear import sizes_attribute
 
 
 def rewrite_self_or_cross(
@@ -93,11 +94,13 @@ def rewrite_self_or_cross(
     own_block, own_first, own_last = dominating_region(funcdef, [calls[i] for i in own])
     own_calls = [calls[i] for i in own]
     own_region = own_block[own_first : own_last + 1]
-    refuse_claims(hoist.check_input_stable(funcdef, own_region, current, module, namespace, own_calls), own_calls)
-    _check_one_first_use(claims, [calls[i] for i in shared])
-    refuse_claimed_sites(claims, [block[position], own_block[own_first]])
-    sites = (block, position), (own_block, own_first)
-    _splice(funcdef, plan, calls, shared, own, switch, *sites, module, claims)
+    claims |= hoist.check_input_stable(funcdef, own_region, current, module, namespace, own_calls)
+    if claims:
+        refuse_runtime_name_clash(funcdef, namespace, (CLASS_IS_HONEST, LINEAR_PIECE))
+        _splice_claimed(funcdef, plan, calls, switch, hidden.id, (block, position), module, claims)
+    else:
+        refuse_runtime_name_clash(funcdef, namespace, (LINEAR_PIECES,))
+        _splice(funcdef, plan, calls, shared, own, switch, (block, position), (own_block, own_first), module)
 
 
 def _two_uses(funcdef: ast.FunctionDef, calls: list[ast.Call]):
@@ -284,38 +287,41 @@ def _contains(tree: ast.AST, node: ast.AST) -> bool:
     return any(child is node for child in astutil.walk(tree))
 
 
-def _check_one_first_use(claims: frozenset[str], shared_calls: list[ast.Call]) -> None:
-    """With claims (fact 5), refuse (`class-claim`) more than one call on `H`: they are computed together at the
-    first one's place, with the region between them trusting the claim."""
-    if claims and len(shared_calls) > 1:
-        raise Refused(
-            "class-claim",
-            f"the region trusts `isinstance` about {', '.join(sorted(claims))}, and {len(shared_calls)} projections "
-            "read the first input: with a lying class each must run at its own place",
-            shared_calls[1],
-        )
-
-
-def _splice(funcdef, plan, calls, shared, own, switch, shared_site, own_site, module, claims=frozenset()) -> None:
-    """Insert the switched merged call at the q site and the k/v pieces at their site; calls become the pieces. With
-    `claims`, the merged call also needs `class_is_honest` of each claimed parameter (fact 5)."""
+def _splice(funcdef, plan, calls, shared, own, switch, shared_site, own_site, module) -> None:
+    """Insert the switched merged call at the q site and the k/v pieces at their site; calls become the pieces."""
     temps = piece_temps(funcdef, plan)
+    merged, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
     hidden, current = calls[shared[0]].args[0].id, calls[own[0]].args[0].id
-    merge, apart, honest = f"{switch} is None", f"{switch} is not None", []
-    if claims:
-        flag, statement = honest_flag(funcdef, claims)
-        merge, apart, honest = f"{merge} and {flag}", f"{apart} or not {flag}", [statement]
-    shared_stmt = ast.parse(f"if {merge}:\n    pass\nelse:\n    pass\n").body[0]
+
+    def pieces(indices: list[int], source: str) -> str:
+        targets = ", ".join(temps[i] for i in indices) + ("," if len(indices) == 1 else "")
+        rows = ", ".join(str(i) for i in indices) + ("," if len(indices) == 1 else "")
+        return f"({targets}) = {LINEAR_PIECES}({merged}, {source}, {sizes}, ({rows}))"
+
+    shared_stmt = ast.parse(f"if {switch} is None:\n    pass\nelse:\n    {pieces(shared, hidden)}\n").body[0]
     shared_stmt.body = [split_statement(plan, temps, ast.Name(hidden, ast.Load()))]
-    shared_stmt.orelse = [pieces_statement(plan, temps, shared, ast.Name(hidden, ast.Load()))]
-    own_stmt = ast.parse(f"if {apart}:\n    pass\n").body[0]
-    own_stmt.body = [pieces_statement(plan, temps, own, ast.Name(current, ast.Load()))]
+    own_stmt = ast.parse(f"if {switch} is not None:\n    {pieces(own, current)}\n").body[0]
     (block, position), (own_block, own_position) = shared_site, own_site
     own_block.insert(own_position, ast.fix_missing_locations(ast.copy_location(own_stmt, own_block[own_position])))
-    for statement in [*honest, shared_stmt][::-1]:
-        block.insert(position, ast.fix_missing_locations(ast.copy_location(statement, block[position])))
+    block.insert(position, ast.fix_missing_locations(ast.copy_location(shared_stmt, block[position])))
     for call, temp in zip(calls, temps):
         astutil.replace_node(funcdef, call, ast.copy_location(ast.Name(temp, ast.Load()), call))
     detach_written_pieces(funcdef, temps, shared_stmt.body, 0, module, {hidden})
     detach_written_pieces(funcdef, [temps[i] for i in shared], shared_stmt.orelse, 0, module, {hidden})
     detach_written_pieces(funcdef, [temps[i] for i in own], own_stmt.body, 0, module, {current})
+
+
+def _splice_claimed(funcdef, plan, calls, switch, hidden, site, module, claims) -> None:
+    """Fact 5: one flag, `<switch> is None and class_is_honest(<claims>)`, before the q site; the merged call under
+    it, and every projection call reading its piece where the flag holds and computing it alone where the call was
+    otherwise (`rewrite_forward.claimed_split`)."""
+    temps = piece_temps(funcdef, plan)
+    flag = merge_flag(funcdef, plan, claims, f"{switch} is None")
+    split = split_statement(plan, temps, ast.Name(hidden, ast.Load()))
+    guarded, choices = claimed_split(flag, plan, calls, temps, split)
+    block, position = site
+    for statement in (guarded, flag):
+        block.insert(position, ast.fix_missing_locations(ast.copy_location(statement, block[position])))
+    for call, choice in zip(calls, choices):
+        astutil.replace_node(funcdef, call, ast.fix_missing_locations(choice))
+    detach_written_pieces(funcdef, temps, guarded.body, 0, module, {hidden})

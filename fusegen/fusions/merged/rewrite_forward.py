@@ -10,7 +10,7 @@ innermost block that dominates every call. The sizes are read from the owner
 (`fusegen.runtime.linear.sizes_attribute`), not from the merged linear, which a wrapper may hide.
 
 Where the region trusts what `isinstance` says of a parameter (`rules.Claim`), the merged call runs only where
-`class_is_honest` holds, and each projection is otherwise computed at its own place (`_claimed_split`).
+`class_is_honest` holds, and each projection is otherwise computed at its own place (`claimed_split`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from fusegen.runtime.linear import sizes_attribute
 
 LINEAR_PIECES = "linear_pieces"
 """The `fusegen.runtime` function computing some pieces of a merged linear (`fusegen.runtime.linear`)."""
+
+LINEAR_PIECE = pieces.LINEAR_PIECE
 
 CLASS_IS_HONEST = "class_is_honest"
 """The `fusegen.runtime` test that an object's `__class__` is its type (`fusegen.runtime.claims`)."""
@@ -66,7 +68,8 @@ def rewrite_forward(
         claims = hoist.check_input_stable(funcdef, block[first : last + 1], arg, module, namespace, calls)
     if conditional:
         refuse_claims(claims, calls)
-    refuse_claimed_sites(claims, [site for _, site, _ in piece_sites(funcdef, calls)])
+    if claims:
+        refuse_runtime_name_clash(funcdef, namespace, (CLASS_IS_HONEST, LINEAR_PIECE))
     _splice(funcdef, plan, calls, block, first, module, conditional, claims)
 
 
@@ -83,47 +86,34 @@ def refuse_claims(claims: frozenset[str], calls: list[ast.Call]) -> None:
         )
 
 
-def refuse_claimed_sites(claims: frozenset[str], sites: list[ast.stmt]) -> None:
-    """Refuse (`class-claim`) a claimed name read by a statement a piece is computed before: with a lying class the
-    pieces are computed just before the statement that called the projection, which is where it ran only if nothing
-    of that statement evaluated first runs the caller's code."""
-    for site in sites:
-        named = sorted(claims & {node.id for node in astutil.walk(site) if isinstance(node, ast.Name)})
-        if named:
-            raise Refused(
-                "class-claim",
-                f"`{named[0]}`, whose class the region trusts `isinstance` about, is read by the statement a piece "
-                "is computed before",
-                site,
-            )
+def merge_flag(funcdef: ast.FunctionDef, plan: FusionPlan, claims: frozenset[str], switch: str = "") -> ast.Assign:
+    """`merge_<merged> = [<switch> and ]class_is_honest(<claims>)`, the name fresh: the one test of whether the merged
+    call runs, made once before it and read at every projection's place, so that code that runs between them (a
+    caller's object whose class lies) cannot make two tests disagree."""
+    flag = astutil.fresh_name(f"merge_{plan.merged}", astutil.all_names(funcdef))
+    test = f"{CLASS_IS_HONEST}({', '.join(sorted(claims))})"
+    return ast.parse(f"{flag} = {switch + ' and ' if switch else ''}{test}").body[0]
 
 
-def pieces_statement(plan: FusionPlan, temps: list[str], indices: list[int], source: ast.expr) -> ast.Assign:
-    """`(<temps of indices>,) = linear_pieces(self.<merged>, <source>, self.<merged>_sizes, (<indices>,))`: those
-    pieces alone, each computed from its own rows (`fusegen.runtime.linear.linear_pieces`)."""
-    targets = ", ".join(temps[i] for i in indices) + ("," if len(indices) == 1 else "")
-    rows = ", ".join(str(i) for i in indices) + ("," if len(indices) == 1 else "")
+def merged_or_own(flag: str, temp: str, plan: FusionPlan, call: ast.Call, piece: int) -> ast.IfExp:
+    """What replaces projection call `call` under a merge flag: `<temp> if <flag> else linear_piece(self.<merged>,
+    <input>, self.<merged>_sizes, <piece>)`. Where the flag is false the projection is computed where its call was,
+    from its own input expression, evaluated there: within the statement, in the original's order, from its own
+    rows (`fusegen.runtime.linear.linear_piece`, a tensor of its own as the projection's output was)."""
     merged, sizes = f"self.{plan.merged}", f"self.{sizes_attribute(plan.merged)}"
-    statement = ast.parse(f"({targets}) = {LINEAR_PIECES}({merged}, __input__, {sizes}, ({rows}))").body[0]
-    statement.value.args[1] = copy.deepcopy(source)
-    return statement
+    choice = ast.parse(f"{temp} if {flag} else {LINEAR_PIECE}({merged}, __input__, {sizes}, {piece})").body[0].value
+    choice.orelse.args[1] = copy.deepcopy(call.args[0])
+    return ast.copy_location(choice, call)
 
 
-def piece_sites(funcdef: ast.FunctionDef, calls: list[ast.Call]) -> list[tuple[list[ast.stmt], ast.stmt, list[int]]]:
-    """Where each call runs: the innermost statement holding it, the statement list holding that, and the positions
-    in `calls` of the calls it holds (ascending), in order of first call."""
-    sites: dict[int, tuple[list[ast.stmt], ast.stmt, list[int]]] = {}
-    for position, call in enumerate(calls):
-        body, at = astutil.block_path(funcdef.body, call)[-1]
-        sites.setdefault(id(body[at]), (body, body[at], []))[2].append(position)
-    return list(sites.values())
-
-
-def honest_flag(funcdef: ast.FunctionDef, claims: frozenset[str]) -> tuple[str, ast.Assign]:
-    """A fresh local and the statement binding it to `class_is_honest(<claims>)`: tested once, read by every later
-    test, so that the caller's code that may run between them cannot make two tests disagree."""
-    flag = astutil.fresh_name("honest_classes", astutil.all_names(funcdef))
-    return flag, ast.parse(f"{flag} = {CLASS_IS_HONEST}({', '.join(sorted(claims))})").body[0]
+def refuse_runtime_name_clash(funcdef: ast.FunctionDef, namespace: dict, names: tuple[str, ...]) -> None:
+    """Refuse (`name-clash`) when the forward binds, or the modeling module defines, a name the rewrite calls from
+    `fusegen.runtime`: the generated file imports it under that name, which would shadow the module's own or be
+    shadowed by the forward's."""
+    for name in names:
+        if name in namespace or name in astutil.all_names(funcdef):
+            raise Refused("name-clash", f"`{name}`, which the rewrite calls from fusegen.runtime, is already a name "
+                          "of forward or of its module", funcdef)  # fmt: skip
 
 
 class _AbsentModule(nn.Module):
@@ -289,74 +279,52 @@ def _splice(
     conditional: frozenset[str] = frozenset(),
     claims: frozenset[str] = frozenset(),
 ):
+    """Insert the merged call and split before `block[index]` and make each projection call read its piece: under
+    the existence guard of a conditional fusion (`_guarded_split`), or, with `claims`, under a merge flag
+    (`claimed_split`)."""
     temps = piece_temps(funcdef, plan)
     inputs = dataflow.loads(calls[0].args[0])
     statement = split_statement(plan, temps, calls[0].args[0])
-    apart: list[tuple[list[ast.stmt], int, list[str]]] = []
+    replacements = [ast.copy_location(ast.Name(temp, ast.Load()), call) for call, temp in zip(calls, temps)]
     if conditional:
         statement = _guarded_split(plan, statement, calls, temps, conditional)
     elif claims:
-        flag, honest = honest_flag(funcdef, claims)
-        statement, apart = _claimed_split(funcdef, plan, calls, temps, block[index], statement, flag)
-        block.insert(index, ast.copy_location(honest, block[index]))
+        flag = merge_flag(funcdef, plan, claims)
+        statement, replacements = claimed_split(flag, plan, calls, temps, statement)
+        block.insert(index, ast.fix_missing_locations(ast.copy_location(flag, block[index])))
         index += 1
     block.insert(index, ast.fix_missing_locations(ast.copy_location(statement, block[index])))
-    for call, temp in zip(calls, temps):
-        astutil.replace_node(funcdef, call, ast.copy_location(ast.Name(temp, ast.Load()), call))
-    for body, position, names in apart:
-        detach_written_pieces(funcdef, names, body, position, module, inputs)
+    for call, replacement in zip(calls, replacements):
+        astutil.replace_node(funcdef, call, ast.fix_missing_locations(replacement))
     if conditional or claims:
         detach_written_pieces(funcdef, temps, statement.body, 0, module, inputs)
     else:
         detach_written_pieces(funcdef, temps, block, index, module, inputs)
 
 
-def _claimed_split(
-    funcdef: ast.FunctionDef,
-    plan: FusionPlan,
-    calls: list[ast.Call],
-    temps: list[str],
-    first: ast.stmt,
-    split: ast.stmt,
-    flag: str,
-) -> tuple[ast.If, list[tuple[list[ast.stmt], int, list[str]]]]:
-    """The merged call where the claimed classes are honest, each projection at its own place elsewhere:
+def claimed_split(
+    flag: ast.Assign, plan: FusionPlan, calls: list[ast.Call], temps: list[str], split: ast.stmt
+) -> tuple[ast.If, list[ast.IfExp]]:
+    """The merged call where the claimed classes are honest, each projection at its own call elsewhere:
 
-        honest_classes = class_is_honest(cache)
-        if honest_classes:
+        merge_qkv_proj = class_is_honest(cache)
+        if merge_qkv_proj:
             q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(x).split(self.qkv_proj_sizes, dim=-1)
-        else:
-            (q_proj_out,) = linear_pieces(self.qkv_proj, x, self.qkv_proj_sizes, (0,))
-        q = q_proj_out
+        q = q_proj_out if merge_qkv_proj else linear_piece(self.qkv_proj, x, self.qkv_proj_sizes, 0)
         if isinstance(cache, DynamicCache):
             ...
-        if not honest_classes:
-            (k_proj_out,) = linear_pieces(self.qkv_proj, x, self.qkv_proj_sizes, (1,))
-        k = k_proj_out
+        k = k_proj_out if merge_qkv_proj else linear_piece(self.qkv_proj, x, self.qkv_proj_sizes, 1)
 
     Soundness: where `class_is_honest` holds, `isinstance` sees each claimed parameter's type and runs nothing of
     the caller's, which is what the rules assumed when they passed the region, so the merged call is the plain
-    hoist. Elsewhere every piece is computed by `linear_pieces` (the projection's own rows) just before the
-    statement that called it, from the input as spelled there: the original's order relative to whatever the
-    caller's object runs, since no such statement reads a claimed name (`refuse_claimed_sites`) and the rest of the
-    region was proved without the claim. The test is made once, into `flag`, and the claimed parameters are never
-    bound again (`region_rules._claimable`). Returns the `if`, and where each piece computed apart sits (to detach
-    written pieces there as well)."""
-    guarded = ast.If(test=ast.Name(flag, ast.Load()), body=[split], orelse=[])
-    apart = []
-    for body, site, positions in piece_sites(funcdef, calls):
-        pieces_now = pieces_statement(plan, temps, positions, calls[positions[0]].args[0])
-        names = [temps[i] for i in positions]
-        if site is first:
-            guarded.orelse.append(pieces_now)
-            apart.append((guarded.orelse, len(guarded.orelse) - 1, names))
-        else:
-            test = ast.parse(f"if not {flag}:\n    pass").body[0]
-            test.body = [pieces_now]
-            at = next(i for i, stmt in enumerate(body) if stmt is site)
-            body.insert(at, ast.fix_missing_locations(ast.copy_location(test, site)))
-            apart.append((test.body, 0, names))
-    return ast.fix_missing_locations(ast.copy_location(guarded, split)), apart
+    hoist; the region cannot change the answer (the claimed parameters are never bound again, and nothing in the
+    forward stores their `__class__`: `region_rules._claimable`), and the flag is read, not recomputed. Elsewhere
+    nothing is hoisted: each projection is computed where its call was, as the original computed it
+    (`merged_or_own`). Returns the `if` and the expressions that replace the calls, in order."""
+    name = flag.targets[0].id
+    guarded = ast.If(test=ast.Name(name, ast.Load()), body=[split], orelse=[])
+    choices = [merged_or_own(name, temp, plan, call, piece) for piece, (call, temp) in enumerate(zip(calls, temps))]
+    return ast.copy_location(guarded, split), choices
 
 
 def _guarded_split(

@@ -1,7 +1,8 @@
 """The rule ids of the merged-linear family's safety rules, and the switch the mutation tests turn them off with.
 
 The hoisting rules (`fusegen.fusions.merged.hoist`) and the live checks (`fusegen.fusions.merged.live`) report
-their findings through `raise_first`, which raises the first one whose rule is not `DISABLED`.
+their findings through `claims_unless_refused`, which raises the first refusal whose rule is not `DISABLED` and
+otherwise returns what the findings claim (`Claim`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ DISABLED: frozenset[str] = frozenset()
 class Claim:
     """A finding that refuses nothing: the region relies on the parameter `name` holding the class `isinstance` says
     it holds. That is so where `fusegen.runtime.claims.class_is_honest(name)` is, so a rewrite runs the merged call
-    only there and each projection at its own place elsewhere (`rewrite_forward._claimed_split`, `rewrite_cross`); a
+    only there and each projection at its own place elsewhere (`rewrite_forward.claimed_split`, `rewrite_cross`); a
     rewrite that cannot refuses (`class-claim`)."""
 
     name: str
 
 
-def raise_first(findings) -> frozenset[str]:
+def claims_unless_refused(findings) -> frozenset[str]:
     """Raise the first refusal whose rule is not `DISABLED`; otherwise return the names the findings claim."""
     claims = set()
     for finding in findings:
@@ -99,7 +100,7 @@ LIVE_AND_HOIST_RULES: tuple[Rule, ...] = (
         ),
     ),
 )
-"""The rules `raise_first` reports for the live checks (`live`) and the hoisting rules (`hoist`)."""
+"""The rules `claims_unless_refused` reports for the live checks (`live`) and the hoisting rules (`hoist`)."""
 
 RULES: tuple[Rule, ...] = (
     *LIVE_AND_HOIST_RULES,
@@ -128,4 +129,4 @@ RULES: tuple[Rule, ...] = (
 """Every rule the merged-linear family refuses with: the kinds built on `LinearKind` declare them (`Kind.rules`)."""
 
 RULE_IDS = tuple(rule.id for rule in LIVE_AND_HOIST_RULES)
-"""Every rule id `raise_first` can refuse with (the live checks and the hoisting rules)."""
+"""Every rule id `claims_unless_refused` can refuse with (the live checks and the hoisting rules)."""
