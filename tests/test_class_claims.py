@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from fusegen.compiler.build import build
+from fusegen.errors import InputError
 from fusegen.runtime import MergedColumnLinear, class_is_honest, linear_piece
 from fusegen.testkit import TOLERANCE, import_file
 from tests.test_cross_attention import rewrite_refusal, write_switched_case
@@ -136,13 +137,35 @@ def _case(case_path, name, forward, params=", kv=None, cache=None", extra=EXTRA)
 
 def test_a_forward_that_sets_the_class_makes_no_claim(case_path):
     """The merge flag is tested once, so the forward must not change the claimed parameter's class after it."""
-    spellings = {"store": "cache.__class__ = DynamicCache", "setattr": "setattr(cache, '__class__', DynamicCache)"}
+    spellings = {
+        "store": "cache.__class__ = DynamicCache",
+        "setattr": "setattr(cache, '__class__', DynamicCache)",
+        "dunder": "cache.__setattr__('__class__', DynamicCache)",
+    }
     refusals = {}
     for name, spelling in spellings.items():
         forward = SAME_INPUT.replace("            n = 2.0\n", f"            n = 2.0\n            {spelling}\n")
         refusals[name] = rewrite_refusal(_case(case_path, f"sets_class_{name}", forward, ", cache=None"))
     # without a claim the store writes an object the caller handed, and `setattr` is a call the rules do not trust
-    assert refusals == {"store": "caller-alias", "setattr": "region-call"}
+    assert refusals == {"store": "caller-alias", "setattr": "region-call", "dunder": "region-call"}
+
+
+def test_a_shadowed_isinstance_narrows_nothing(case_path):
+    """A module's own `isinstance` says nothing of the class: `cache.layers` is then a read of an unknown object."""
+    extra = EXTRA + "\n\ndef isinstance(obj, cls):\n    return obj is not None\n"
+    assert (
+        rewrite_refusal(_case(case_path, "shadowed_isinstance", SAME_INPUT, ", cache=None", extra)) == "implicit-call"
+    )
+
+
+def test_a_module_reading_its_own_runtime_name_is_bad_input(case_path):
+    """A class reading the module's own `linear_piece` would get fusegen's from the generated file's imports."""
+    extra = EXTRA + "\n\ndef linear_piece(t):\n    return t\n"
+    forward = SAME_INPUT.replace(NARROWED, "").replace(
+        "        v = self.v_proj(x)\n", "        v = linear_piece(self.v_proj(x))\n"
+    )
+    with pytest.raises(InputError, match="its own 'linear_piece'"):
+        build(_case(case_path, "own_runtime_name", forward, ", cache=None", extra))
 
 
 def test_a_runtime_name_of_the_module_is_a_name_clash(case_path):
@@ -161,19 +184,29 @@ def test_isinstance_of_an_unknown_local_is_an_implicit_call(case_path):
 
 
 def test_a_user_metaclass_check_is_an_implicit_call(case_path):
-    """A user metaclass's `__instancecheck__`, or `ABCMeta`'s calling a user `__subclasshook__`, runs user code even
-    on a tensor."""
+    """A user metaclass's `__instancecheck__`, or `ABCMeta`'s calling a user `__subclasshook__` (of the class, or of a
+    subclass of a class of Python's own), runs user code even on a tensor: in `isinstance`, `issubclass` or a `case`
+    class pattern."""
     checks = {
-        "metaclass": "class Checked(type):\n    def __instancecheck__(cls, obj):\n        return True\n\n\n"
-        "class Probe(metaclass=Checked):\n    pass\n",
+        "metaclass": "class Checked(type):\n    def __instancecheck__(cls, obj):\n        return True\n\n"
+        "    def __subclasscheck__(cls, other):\n        return True\n\n\nclass Probe(metaclass=Checked):\n    pass\n",
         "abc": "import abc\n\n\nclass Probe(abc.ABC):\n    @classmethod\n    def __subclasshook__(cls, other):\n"
         "        return True\n",
     }
-    forward = SAME_INPUT.replace(NARROWED, "        n = 2.0 if isinstance(x, Probe) else 1.0\n")
+    checks["hooked_subclass_of_a_library_abc"] = (
+        "import collections.abc\n\n\nclass Probe(collections.abc.Mapping):\n    @classmethod\n"
+        "    def __subclasshook__(cls, other):\n        return True\n\n\nProbe = collections.abc.Mapping\n"
+    )
+    spellings = {
+        "isinstance": "        n = 2.0 if isinstance(x, Probe) else 1.0\n",
+        "issubclass": "        n = 2.0 if issubclass(type(x), Probe) else 1.0\n",
+        "match": "        match x:\n            case Probe():\n                n = 2.0\n",
+    }
     for name, extra in checks.items():
-        assert (
-            rewrite_refusal(_case(case_path, f"user_{name}", forward, "", EXTRA + "\n\n" + extra)) == "implicit-call"
-        )
+        for spelling, line in spellings.items():
+            forward = SAME_INPUT.replace(NARROWED, line)
+            dotted = _case(case_path, f"user_{name}_{spelling}", forward, "", EXTRA + "\n\n" + extra)
+            assert rewrite_refusal(dotted) == "implicit-call", (name, spelling)
 
 
 # --- the guarded merge -----------------------------------------------------------------------------------------------

@@ -51,6 +51,12 @@ def import_block(emitted: dict, skip: set[str], runtime: set[str], runtime_if_us
         for used_name in sorted(global_names(ast.unparse(item.classdef)) - skip):
             use(used, used_name, item)
     for name in runtime | (runtime_if_used & set(used)):
+        module = used.get(name, (None, ""))[0]
+        if module is not None and name in vars(module):  # the class reads the module's own, not fusegen's
+            raise InputError(
+                f"{module.__name__}: its code reads its own {name!r}, a name the generated file imports from "
+                f"{RUNTIME_MODULE}; rename it in the modeling module"
+            )
         used[name] = (None, "")
     return import_lines(used, runtime | runtime_if_used)
 

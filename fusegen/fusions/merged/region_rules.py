@@ -338,6 +338,7 @@ def _narrowing(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) 
     root = _root(expr)
     if not isinstance(root, ast.Name) or not _claimable(root.id, node, parent_of):
         return None
+    funcdef = _function_of(node, parent_of)
     child, current = node, parent_of.get(node)
     while current is not None:
         if isinstance(current, ast.If) and any(child is stmt for stmt in current.body):
@@ -345,7 +346,9 @@ def _narrowing(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) 
                 current.test.op, ast.And) else [current.test]  # fmt: skip
             for test in tests:
                 is_check = (
-                    isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance"
+                    isinstance(test, ast.Call)
+                    and isinstance(test.func, ast.Name)
+                    and lookup.resolve_dotted(test.func, namespace, dataflow.local_names(funcdef)) is isinstance
                 )
                 if is_check and len(test.args) == 2 and isinstance(test.args[0], ast.Name):
                     cls = lookup.resolve_dotted(test.args[1], namespace)
@@ -358,27 +361,49 @@ def _narrowing(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) 
 def _claimable(name: str, node: ast.AST, parent_of: dict) -> bool:
     """Is `name` a parameter of the function holding `node` that it never binds again (`_rebound`), and whose
     `__class__` it never sets (`name.__class__ = ...`, or `name` handed to `setattr`, `delattr` or
-    `object.__setattr__`)? Then the value, and its class, are the same at the merged call, where the rewrite tests
+    `object.__setattr__`, or calls its `__setattr__`)? Then the value, and its class, are the same at the merged call, where the rewrite tests
     them, as wherever the region reads them."""
-    funcdef = node
-    while parent_of.get(funcdef) is not None:
-        funcdef = parent_of[funcdef]
+    funcdef = _function_of(node, parent_of)
     if name not in {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}:
         return False
+
+    def is_name(expr):
+        return isinstance(expr, ast.Name) and expr.id == name
+
     for each in walk(funcdef):
-        stored = isinstance(each, ast.Attribute) and not isinstance(each.ctx, ast.Load) and each.attr == "__class__"
-        setter = isinstance(each, ast.Call) and lookup.call_name(each) in ("setattr", "delattr", "__setattr__")
-        if stored and isinstance(each.value, ast.Name) and each.value.id == name:
+        stored = isinstance(each, ast.Attribute) and not isinstance(each.ctx, ast.Load)
+        if stored and each.attr == "__class__" and is_name(each.value):
             return False
-        if setter and any(isinstance(arg, ast.Name) and arg.id == name for arg in each.args):
-            return False
+        setter = ("setattr", "delattr", "__setattr__", "__delattr__")
+        if isinstance(each, ast.Call) and lookup.call_name(each) in setter:
+            receiver = each.func.value if isinstance(each.func, ast.Attribute) else None
+            if is_name(receiver) or any(map(is_name, each.args)):  # `cache.__setattr__(...)`, `setattr(cache, ...)`
+                return False
     return not _rebound(name, node, parent_of)
+
+
+def _function_of(node: ast.AST, parent_of: dict) -> ast.AST:
+    """The root of `parent_of`'s chain from `node`: the function analysed."""
+    while parent_of.get(node) is not None:
+        node = parent_of[node]
+    return node
 
 
 def _plain_instancecheck(cls: object) -> bool:
     """Does `isinstance(obj, cls)` run only `type.__instancecheck__` (which reads `obj.__class__` and nothing else)?
     A metaclass's own `__instancecheck__` may read anything of the object."""
     return isinstance(cls, type) and type(cls).__instancecheck__ is type.__instancecheck__
+
+
+def _plain_class_check(cls: object, check: str) -> bool:
+    """Is `cls` a class whose metaclass's `check` (`__instancecheck__`, `__subclasscheck__`) is `type`'s, or torch's
+    or Transformers' own (torch's `Parameter`)? Not `ABCMeta`'s, even for a class of Python's own: it asks the
+    class's subclasses too, and a user's subclass may hook them (`__subclasshook__`)."""
+    if not isinstance(cls, type):
+        return False
+    function = getattr(type(cls), check)
+    module = getattr(function, "__module__", None) or ""
+    return function is getattr(type, check) or module.split(".")[0] in ("torch", "transformers")
 
 
 def _rebound(name: str, node: ast.AST, parent_of: dict) -> bool:
@@ -511,10 +536,6 @@ def check_region_calls(funcdef, region, tracked, fresh, module, namespace, local
 _QUIET_BUILTINS = frozenset({"type", "id", "callable", "is_", "is_not"})
 """Builtins and `operator` functions that run no special method of what they are handed (`type` and `callable` read
 the type's slots, `id` and `operator.is_` identity). `isinstance` reads `obj.__class__`: `_class_test`."""
-
-_LIBRARY_MODULES = ("builtins", "abc", "collections", "typing", "numbers", "torch", "transformers")
-"""The packages whose classes' own `isinstance` checks are trusted for a known object (`collections.abc.Mapping`,
-`numbers.Number`, torch's `Parameter`): see `_class_test`."""
 
 _CONSTANT_TYPES = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), range, slice, torch.dtype,
                    torch.device, torch.Size, torch.memory_format, torch.layout, torch.Tensor, types.ModuleType,
@@ -844,6 +865,12 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
                 )
         elif isinstance(node, ast.Match):
             yield from operand(node, node.subject, "matches")
+        elif isinstance(node, ast.MatchClass) and not _plain_class_check(
+            lookup.resolve_dotted(node.cls, namespace, local), "__instancecheck__"
+        ):  # `case Probe():` is `isinstance(subject, Probe)`
+            yield Refused(
+                "implicit-call", f"`case {ast.unparse(node)}` may run a class check written by the user", node
+            )
         elif isinstance(node, ast.FormattedValue):
             yield from operand(node, node.value, "formats")
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
@@ -863,6 +890,17 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             )
             # `operator.add(obj, 1)`, `operator.truth(obj)`: the operator spelled as a function, as `obj + 1` is
             operator_function = lookup.operator_module_function(resolved) is not None
+            if (
+                resolved is issubclass
+                and node.args
+                and not all(
+                    _plain_class_check(lookup.resolve_dotted(e, namespace, local), "__subclasscheck__")
+                    for e in getattr(node.args[-1], "elts", node.args[-1:])
+                )
+            ):
+                yield Refused(
+                    "implicit-call", f"`{ast.unparse(node)}` may run a class check written by the user", node
+                )
             if resolved is isinstance:
                 yield from _class_test(node, operand, parent_of, namespace, local)
             elif (builtin or operator_function) and resolved.__name__ not in _QUIET_BUILTINS:
@@ -886,9 +924,9 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
 def _class_test(call: ast.Call, operand, parent_of: dict, namespace: dict, local: set[str]):
     """Findings for `isinstance(obj, C)`. It runs `C`'s metaclass's `__instancecheck__`, which for `type` reads
     `obj.__class__` once `type(obj)` is not a subclass, a read the caller's class can answer with its own code:
-    - every class named must be resolved here, with a metaclass check that is `type`'s, or for a class of
-      Python's, torch's or Transformers' own (`_LIBRARY_MODULES`) its metaclass's: a user's `__instancecheck__`,
-      or `ABCMeta`'s, which calls the user class's `__subclasshook__`, is user code whatever it is handed;
+    - every class named must be resolved here, with a metaclass check that is `type`'s or torch's or
+      Transformers' own (`_plain_class_check`): a user's `__instancecheck__`, or `ABCMeta`'s, which calls
+      `__subclasshook__` of the class and its subclasses, is user code whatever it is handed;
     - `obj` known (`known_names`): its reads run no user code;
     - otherwise `obj` a parameter never bound again, and every class checked by `type`'s `__instancecheck__`: a
       `Claim` on it (the merged call runs only where `class_is_honest(obj)`);
@@ -898,7 +936,7 @@ def _class_test(call: ast.Call, operand, parent_of: dict, namespace: dict, local
         return
     subject, spelled = call.args
     classes = [lookup.resolve_dotted(e, namespace, local) for e in getattr(spelled, "elts", [spelled])]
-    if not all(_plain_instancecheck(cls) or _library_class(cls) for cls in classes):
+    if not all(_plain_class_check(cls, "__instancecheck__") for cls in classes):
         yield Refused("implicit-call", f"`{ast.unparse(call)}` may run a class check written by the user", call)
         return
     findings = list(operand(call, subject, "hands `isinstance`"))
@@ -909,13 +947,6 @@ def _class_test(call: ast.Call, operand, parent_of: dict, namespace: dict, local
         yield Claim(subject.id)
     else:
         yield from findings
-
-
-def _library_class(cls: object) -> bool:
-    """Is `cls` a class of Python's, torch's or Transformers' own, so that its metaclass's `__instancecheck__`
-    (`ABCMeta`'s, torch's `Parameter`'s) and its `__subclasshook__` are library code?"""
-    module = getattr(cls, "__module__", None) or ""
-    return isinstance(cls, type) and module.split(".")[0] in _LIBRARY_MODULES
 
 
 def _rebound_names(funcdef: ast.FunctionDef, parent_of: dict) -> tuple[set[str], set[str]]:
