@@ -183,6 +183,22 @@ def test_isinstance_of_an_unknown_local_is_an_implicit_call(case_path):
     assert rewrite_refusal(_case(case_path, "unknown_local", forward, "", extra)) == "implicit-call"
 
 
+def test_a_local_named_like_the_class_narrows_nothing(case_path):
+    """`DynamicCache = object` in forward: the test around the projections says nothing of the cache's class."""
+    forward = (
+        "        n = 1.0\n"
+        "        DynamicCache = object\n"
+        "        if isinstance(cache, DynamicCache):\n"
+        "            q = self.q_proj(x)\n"
+        "            if cache is not None:\n"
+        "                n = 2.0 + cache.get_seq_length()\n"
+        "            k = self.k_proj(x)\n"
+        "            v = self.v_proj(x)\n"
+        "        return q * n + torch.cat([k, v], dim=-1)\n"
+    )
+    assert rewrite_refusal(_case(case_path, "local_class_name", forward, ", cache=None")) == "region-call"
+
+
 def test_a_user_metaclass_check_is_an_implicit_call(case_path):
     """A user metaclass's `__instancecheck__`, or `ABCMeta`'s calling a user `__subclasshook__` (of the class, or of a
     subclass of a class of Python's own), runs user code even on a tensor: in `isinstance`, `issubclass` or a `case`

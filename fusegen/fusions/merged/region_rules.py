@@ -332,13 +332,15 @@ def _narrowing(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) 
     `isinstance(p, C)` (a conjunct), `C` a Transformers class that is not a tensor (`if cache is not None and
     isinstance(cache, EncoderDecoderCache):`); else None. `p` is then such an object there, trusted as
     `transformers_typed` parameters are (a user subclass of `C` included), on the claim: `isinstance` believes an
-    object's `__class__`, which the caller's class may make lie. Only for a parameter the function never binds again (no assignment, loop or `with`
-    target, walrus, `del`, import or nested definition of it anywhere): a rebinding in the branch would make the
-    test say nothing of the value there, and the rewrite's guard tests the parameter at the merged call."""
+    object's `__class__`, which the caller's class may make lie. Only for a parameter the function never binds
+    again (`_claimable`): a rebinding in the branch would make the test say nothing of the value there, and the
+    rewrite's guard tests the parameter at the merged call. `isinstance` and `C` are resolved with the forward's
+    own names in sight (a local `DynamicCache = object` is not the class)."""
     root = _root(expr)
     if not isinstance(root, ast.Name) or not _claimable(root.id, node, parent_of):
         return None
     funcdef = _function_of(node, parent_of)
+    local = dataflow.local_names(funcdef)
     child, current = node, parent_of.get(node)
     while current is not None:
         if isinstance(current, ast.If) and any(child is stmt for stmt in current.body):
@@ -348,10 +350,10 @@ def _narrowing(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) 
                 is_check = (
                     isinstance(test, ast.Call)
                     and isinstance(test.func, ast.Name)
-                    and lookup.resolve_dotted(test.func, namespace, dataflow.local_names(funcdef)) is isinstance
+                    and lookup.resolve_dotted(test.func, namespace, local) is isinstance
                 )
                 if is_check and len(test.args) == 2 and isinstance(test.args[0], ast.Name):
-                    cls = lookup.resolve_dotted(test.args[1], namespace)
+                    cls = lookup.resolve_dotted(test.args[1], namespace, local)
                     if test.args[0].id == root.id and _transformers_class(cls) and _plain_instancecheck(cls):
                         return Claim(root.id)
         child, current = current, parent_of.get(current)
