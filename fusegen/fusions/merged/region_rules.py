@@ -337,34 +337,42 @@ def _narrowing(node: ast.AST, expr: ast.expr, parent_of: dict, namespace: dict) 
     rewrite's guard tests the parameter at the merged call. `isinstance` and `C` are resolved with the forward's
     own names in sight (a local `DynamicCache = object` is not the class)."""
     root = _root(expr)
-    if not isinstance(root, ast.Name) or not _claimable(root.id, node, parent_of):
+    if not isinstance(root, ast.Name):
         return None
-    funcdef = _function_of(node, parent_of)
-    local = dataflow.local_names(funcdef)
     child, current = node, parent_of.get(node)
     while current is not None:
         if isinstance(current, ast.If) and any(child is stmt for stmt in current.body):
             tests = current.test.values if isinstance(current.test, ast.BoolOp) and isinstance(
                 current.test.op, ast.And) else [current.test]  # fmt: skip
             for test in tests:
-                is_check = (
+                spelled = (
                     isinstance(test, ast.Call)
                     and isinstance(test.func, ast.Name)
-                    and lookup.resolve_dotted(test.func, namespace, local) is isinstance
+                    and len(test.args) == 2
+                    and isinstance(test.args[0], ast.Name)
+                    and test.args[0].id == root.id
                 )
-                if is_check and len(test.args) == 2 and isinstance(test.args[0], ast.Name):
-                    cls = lookup.resolve_dotted(test.args[1], namespace, local)
-                    if test.args[0].id == root.id and _transformers_class(cls) and _plain_instancecheck(cls):
-                        return Claim(root.id)
+                if spelled and _narrows(test, root.id, node, parent_of, namespace):
+                    return Claim(root.id)
         child, current = current, parent_of.get(current)
     return None
 
 
+def _narrows(test: ast.Call, name: str, node: ast.AST, parent_of: dict, namespace: dict) -> bool:
+    """Is `test`, spelled `f(name, C)`, the builtin `isinstance` against a Transformers class whose metaclass keeps
+    `type`'s check, `name` claimable? (The costlier half of `_narrowing`, asked only of such a spelling.)"""
+    local = dataflow.local_names(_function_of(node, parent_of))
+    if lookup.resolve_dotted(test.func, namespace, local) is not isinstance:
+        return False
+    cls = lookup.resolve_dotted(test.args[1], namespace, local)
+    return _transformers_class(cls) and _plain_instancecheck(cls) and _claimable(name, node, parent_of)
+
+
 def _claimable(name: str, node: ast.AST, parent_of: dict) -> bool:
     """Is `name` a parameter of the function holding `node` that it never binds again (`_rebound`), and whose
-    `__class__` it never sets (`name.__class__ = ...`, or `name` handed to `setattr`, `delattr` or
-    `object.__setattr__`, or calls its `__setattr__`)? Then the value, and its class, are the same at the merged call, where the rewrite tests
-    them, as wherever the region reads them."""
+    `__class__` it never sets (`name.__class__ = ...`, `name` handed to `setattr`, `delattr` or `object.__setattr__`,
+    or its own `__setattr__` called)? Then the value, and its class, are the same at the merged call, where the
+    rewrite tests them, as wherever the region reads them."""
     funcdef = _function_of(node, parent_of)
     if name not in {arg.arg for arg in walk(funcdef.args) if isinstance(arg, ast.arg)}:
         return False
@@ -372,12 +380,12 @@ def _claimable(name: str, node: ast.AST, parent_of: dict) -> bool:
     def is_name(expr):
         return isinstance(expr, ast.Name) and expr.id == name
 
+    setters = ("setattr", "delattr", "__setattr__", "__delattr__")
     for each in walk(funcdef):
         stored = isinstance(each, ast.Attribute) and not isinstance(each.ctx, ast.Load)
         if stored and each.attr == "__class__" and is_name(each.value):
             return False
-        setter = ("setattr", "delattr", "__setattr__", "__delattr__")
-        if isinstance(each, ast.Call) and lookup.call_name(each) in setter:
+        if isinstance(each, ast.Call) and lookup.call_name(each) in setters:
             receiver = each.func.value if isinstance(each.func, ast.Attribute) else None
             if is_name(receiver) or any(map(is_name, each.args)):  # `cache.__setattr__(...)`, `setattr(cache, ...)`
                 return False
@@ -395,6 +403,15 @@ def _plain_instancecheck(cls: object) -> bool:
     """Does `isinstance(obj, cls)` run only `type.__instancecheck__` (which reads `obj.__class__` and nothing else)?
     A metaclass's own `__instancecheck__` may read anything of the object."""
     return isinstance(cls, type) and type(cls).__instancecheck__ is type.__instancecheck__
+
+
+def _user_class_check(node: ast.AST, spelled: ast.expr, check: str, namespace: dict, local: set[str]):
+    """Refuse (`implicit-call`) a class check `node` makes (`isinstance`, `issubclass`, a `case C():` pattern) against
+    `spelled` (a class, or a tuple of them) unless every class is resolved here with a `_plain_class_check`."""
+    classes = [lookup.resolve_dotted(e, namespace, local) for e in getattr(spelled, "elts", [spelled])]
+    if not all(_plain_class_check(cls, check) for cls in classes):
+        where = f"case {ast.unparse(node)}" if isinstance(node, ast.MatchClass) else ast.unparse(node)
+        yield Refused("implicit-call", f"`{where}` may run a class check written by the user", node)
 
 
 def _plain_class_check(cls: object, check: str) -> bool:
@@ -867,12 +884,8 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
                 )
         elif isinstance(node, ast.Match):
             yield from operand(node, node.subject, "matches")
-        elif isinstance(node, ast.MatchClass) and not _plain_class_check(
-            lookup.resolve_dotted(node.cls, namespace, local), "__instancecheck__"
-        ):  # `case Probe():` is `isinstance(subject, Probe)`
-            yield Refused(
-                "implicit-call", f"`case {ast.unparse(node)}` may run a class check written by the user", node
-            )
+        elif isinstance(node, ast.MatchClass):  # `case Probe():` is `isinstance(subject, Probe)`
+            yield from _user_class_check(node, node.cls, "__instancecheck__", namespace, local)
         elif isinstance(node, ast.FormattedValue):
             yield from operand(node, node.value, "formats")
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
@@ -892,17 +905,8 @@ def check_implicit_calls(funcdef, region, tracked, fresh, module, namespace, loc
             )
             # `operator.add(obj, 1)`, `operator.truth(obj)`: the operator spelled as a function, as `obj + 1` is
             operator_function = lookup.operator_module_function(resolved) is not None
-            if (
-                resolved is issubclass
-                and node.args
-                and not all(
-                    _plain_class_check(lookup.resolve_dotted(e, namespace, local), "__subclasscheck__")
-                    for e in getattr(node.args[-1], "elts", node.args[-1:])
-                )
-            ):
-                yield Refused(
-                    "implicit-call", f"`{ast.unparse(node)}` may run a class check written by the user", node
-                )
+            if resolved is issubclass and node.args:
+                yield from _user_class_check(node, node.args[-1], "__subclasscheck__", namespace, local)
             if resolved is isinstance:
                 yield from _class_test(node, operand, parent_of, namespace, local)
             elif (builtin or operator_function) and resolved.__name__ not in _QUIET_BUILTINS:
@@ -937,10 +941,11 @@ def _class_test(call: ast.Call, operand, parent_of: dict, namespace: dict, local
         yield from operand(call, call.args[0] if call.args else None, "hands a builtin")
         return
     subject, spelled = call.args
-    classes = [lookup.resolve_dotted(e, namespace, local) for e in getattr(spelled, "elts", [spelled])]
-    if not all(_plain_class_check(cls, "__instancecheck__") for cls in classes):
-        yield Refused("implicit-call", f"`{ast.unparse(call)}` may run a class check written by the user", call)
+    refused = list(_user_class_check(call, spelled, "__instancecheck__", namespace, local))
+    if refused:
+        yield from refused
         return
+    classes = [lookup.resolve_dotted(e, namespace, local) for e in getattr(spelled, "elts", [spelled])]
     findings = list(operand(call, subject, "hands `isinstance`"))
     claimable = isinstance(subject, ast.Name) and _claimable(subject.id, call, parent_of)
     if all(isinstance(finding, Claim) for finding in findings):
